@@ -1,0 +1,46 @@
+"""kvxfer: a KV-cache transfer engine for disaggregated LLM serving that cannot leak a tenant's pages.
+
+Public API (see README.md): :class:`KVLayout` describes the KV memory, :class:`PrefillEngine` writes
+it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConfig` configures both.
+Errors live in :mod:`kvxfer.errors`. Heavy and GPU-only dependencies are imported lazily.
+"""
+
+from .engine import DecodeEngine, EngineConfig, KVRead, PrefillEngine
+from .errors import (
+    AdmissionRejected,
+    CapacityError,
+    KvxferError,
+    OwnershipError,
+    PoolExhausted,
+    TransferFailed,
+    VerificationFailed,
+    WriteRefused,
+)
+from .layout import KVLayout
+from .ledger import AllocPolicy, PageState
+from .lifecycle import ReceiverState, SenderState
+from .pool import FreePolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdmissionRejected",
+    "AllocPolicy",
+    "CapacityError",
+    "DecodeEngine",
+    "EngineConfig",
+    "FreePolicy",
+    "KVLayout",
+    "KVRead",
+    "KvxferError",
+    "OwnershipError",
+    "PageState",
+    "PoolExhausted",
+    "PrefillEngine",
+    "ReceiverState",
+    "SenderState",
+    "TransferFailed",
+    "VerificationFailed",
+    "WriteRefused",
+    "__version__",
+]

@@ -1,0 +1,551 @@
+"""The writing (prefill) role: admission, source pages, tagged writes, DONE, drain acknowledgements.
+
+:class:`Sender` is the prefill engine's logic without I/O. The engine feeds it calls, control
+messages from receivers and write completions from the transport; it answers through ``send``
+(control messages) and the peer's transport link (writes and ordered messages).
+
+Invariants:
+
+* a request is ``REJECTED`` before it holds a page, learns a destination or posts a write;
+* every posted write is counted (``posted``) and every completion, successful or not, is counted
+  (``completed``); a request is *quiescent* when the two are equal;
+* DRAIN_ACK (and a writer-side ABORT) is posted only when the request is quiescent, on the ordered
+  path behind its writes, so it proves that nothing more will land;
+* source pages return to the pool only when the request is terminal *and* quiescent, and
+  :meth:`Sender.poll`-style callers see a terminal state only then, since a transport may still be
+  reading source memory for a posted write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .checksum import ChecksumAlgo, checksum_pages
+from .errors import (
+    AdmissionRejected,
+    DuplicateRequest,
+    KvxferError,
+    PoolExhausted,
+    StaleGeneration,
+    TransferAborted,
+    TransferFailed,
+    TransportError,
+    UnknownRequest,
+)
+from .ledger import PageState
+from .lifecycle import Lifecycle, SenderState
+from .pool import PagePool
+from .runs import WriteBatch, build_batch
+from .wire import messages as m
+
+log = logging.getLogger("kvxfer.sender")
+S = SenderState
+HISTORY_LIMIT = 65536
+
+
+class SenderLink(Protocol):
+    """What the sender needs of a transport connection to one receiver."""
+
+    conn_id: Any
+
+    def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None: ...
+
+    def post_ordered(self, msg: m.Message, *, slot: int, gen: int) -> None: ...
+
+
+@dataclass
+class SendRequest:
+    rid: Any
+    tokens: int
+    fsm: Lifecycle
+    pages: np.ndarray
+    local_gen: int
+    external: bool = False
+    gen: int = 0
+    slot: int = -1
+    peer: str | None = None
+    link: Any = None
+    dst_pages: np.ndarray | None = None
+    sent: int = 0
+    src_sent: list[np.ndarray] = field(default_factory=list)
+    posted: int = 0
+    completed: int = 0
+    failed_writes: int = 0
+    bytes_posted: int = 0
+    batches: list[WriteBatch] = field(default_factory=list)
+    deadline: float = float("inf")
+    error: KvxferError | None = None
+    placeholder: bool = False
+    ack_with: type = m.DrainAck
+    sources_released: bool = False
+    created: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    @property
+    def state(self) -> SenderState:
+        return self.fsm.state
+
+    @property
+    def quiescent(self) -> bool:
+        return self.completed == self.posted
+
+    @property
+    def total_pages(self) -> int:
+        return len(self.dst_pages) if self.dst_pages is not None else len(self.pages)
+
+
+class Sender:
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        max_context: int,
+        checksum: ChecksumAlgo | str = ChecksumAlgo.ADLER32,
+        meta_timeout: float = 60.0,
+        send: Callable[[str, m.Message], None] | None = None,
+        link_for: Callable[[str], Any] | None = None,
+        lock: threading.RLock | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        unsafe_legacy: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.layout = pool.layout
+        self.max_context = int(max_context)
+        self.checksum = ChecksumAlgo.parse(checksum)
+        self.meta_timeout = meta_timeout
+        self._send = send or (lambda peer, msg: None)
+        self._link_for = link_for or (lambda peer: None)
+        self.lock = lock or threading.RLock()
+        self._clock = clock
+        self.unsafe_legacy = unsafe_legacy
+        self.active: dict[Any, SendRequest] = {}
+        self.by_gen: OrderedDict[tuple[str, int], SendRequest] = OrderedDict()
+        self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
+        self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
+        self._next_local_gen = 1
+        self.stats: Counter[str] = Counter()
+        self.changed = threading.Condition(self.lock)
+
+    # admission ----------------------------------------------------------------------------------
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False) -> SendRequest:
+        """Admit a prompt: reject what can never fit, else hold source pages for it.
+
+        With ``external_pages`` the engine's own allocator owns the source pages and passes them to
+        :meth:`send` (SGLang); kvxfer then holds none."""
+        with self.lock:
+            if rid in self.active:
+                live = self.active[rid]
+                raise DuplicateRequest(f"already active in state {live.state.value}", rid=rid,
+                                       generation=live.gen or None)
+            tokens = int(tokens)
+            fsm = Lifecycle("sender", rid)
+            req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
+                              local_gen=0, external=external_pages)
+            problem = self._admission_problem(tokens)
+            if problem is not None and self.unsafe_legacy and problem[0] == "exceeds_pool":
+                # The incident's path: swap the prompt for a one-page placeholder and carry on.
+                req.placeholder = True
+                problem = None
+            if problem is not None:
+                reason, text = problem
+                req.fsm.to(S.REJECTED, reason)
+                req.error = AdmissionRejected(text, reason=reason, rid=rid)
+                req.finished = self._clock()
+                self.stats["rejected"] += 1
+                self.stats[f"rejected_{reason}"] += 1
+                self._remember(req)
+                log.info("rejected at admission: %s", req.error)
+                pending = self.pending_meta.pop(rid, None)
+                if pending is not None:
+                    self._reject_meta(pending[0], pending[1], reason, text)
+                self.changed.notify_all()
+                raise req.error
+            if not external_pages:
+                needed = 1 if req.placeholder else self.layout.pages_for_tokens(tokens)
+                if needed > self.pool.ledger.free_count:
+                    raise PoolExhausted(
+                        f"needs {needed} source pages, {self.pool.ledger.free_count} free", rid=rid
+                    )
+                req.local_gen = self._next_local_gen
+                self._next_local_gen += 1
+                req.pages = self.pool.ledger.allocate(needed, req.local_gen)
+            req.fsm.to(S.ADMITTED, "source pages held" if not external_pages else "admitted")
+            req.deadline = self._clock() + self.meta_timeout
+            self.active[rid] = req
+            self.stats["admitted"] += 1
+            pending = self.pending_meta.pop(rid, None)
+            if pending is not None:
+                self._bind_meta(req, pending[0], pending[1])
+            return req
+
+    def _admission_problem(self, tokens: int) -> tuple[str, str] | None:
+        if tokens <= 0:
+            return "empty", f"prompt of {tokens} tokens"
+        if tokens > self.max_context:
+            return "exceeds_context", f"prompt of {tokens:,} tokens exceeds the context of {self.max_context:,}"
+        if tokens > self.layout.pool_tokens:
+            return (
+                "exceeds_pool",
+                f"prompt of {tokens:,} tokens can never fit this prefill pool of "
+                f"{self.layout.pool_tokens:,} tokens",
+            )
+        return None
+
+    # control messages from receivers ---------------------------------------------------------------
+    def on_meta(self, peer: str, msg: m.Meta) -> None:
+        with self.lock:
+            req = self.active.get(msg.rid)
+            if req is None:
+                old = self.recent.get(msg.rid)
+                if old is not None and old.state is S.REJECTED and old.gen == 0:
+                    old.gen = msg.gen
+                    self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
+                    return
+                self.pending_meta[msg.rid] = (peer, msg, self._clock() + self.meta_timeout)
+                return
+            if req.state is not S.ADMITTED:
+                self._error(peer, msg, StaleGeneration(
+                    f"META for a request already in state {req.state.value}", rid=msg.rid, generation=msg.gen))
+                return
+            self._bind_meta(req, peer, msg)
+
+    def _bind_meta(self, req: SendRequest, peer: str, msg: m.Meta) -> None:
+        link = self._link_for(peer)
+        if link is None:
+            self._fail(req, TransferFailed(f"no data connection to {peer}", reason="connection",
+                                           rid=req.rid, generation=msg.gen))
+            return
+        expected = len(msg.pages) if self.unsafe_legacy else self.layout.pages_for_tokens(req.tokens)
+        if msg.tokens != req.tokens or len(msg.pages) != expected:
+            text = (f"decode reserved {len(msg.pages)} pages for {msg.tokens} tokens, prefill admitted "
+                    f"{req.tokens} tokens ({expected} pages)")
+            req.gen = msg.gen
+            req.peer = peer
+            req.link = link
+            link.post_ordered(m.Reject(rid=req.rid, gen=msg.gen, reason="size_mismatch", detail=text),
+                              slot=msg.slot, gen=msg.gen)
+            self._fail(req, TransferFailed(text, reason="size_mismatch", rid=req.rid, generation=msg.gen))
+            return
+        req.gen = msg.gen
+        req.fsm.generation = msg.gen
+        req.slot = msg.slot
+        req.peer = peer
+        req.link = link
+        req.dst_pages = msg.pages
+        req.deadline = float("inf")
+        req.fsm.to(S.READY, "destination received")
+        self.by_gen[(peer, msg.gen)] = req
+        self.changed.notify_all()
+
+    def _reject_meta(self, peer: str, msg: m.Meta, reason: str, text: str) -> None:
+        link = self._link_for(peer)
+        if link is not None:
+            link.post_ordered(m.Reject(rid=msg.rid, gen=msg.gen, reason=reason, detail=text),
+                              slot=msg.slot, gen=msg.gen)
+        else:
+            self._send(peer, m.Reject(rid=msg.rid, gen=msg.gen, reason=reason, detail=text))
+
+    def on_abort(self, peer: str, msg: m.Abort) -> None:
+        """The receiver aborted ``msg.gen``: stop writing it and acknowledge once drained."""
+        with self.lock:
+            req = self.by_gen.get((peer, msg.gen))
+            if req is None or req.rid != msg.rid:
+                self.stats["stale_abort"] += 1
+                pending = self.pending_meta.get(msg.rid)
+                if pending is not None and pending[1].gen == msg.gen:
+                    # Never bound, so never written; and now it never will be.
+                    del self.pending_meta[msg.rid]
+                # Nothing of ours is in flight for that generation, which is exactly what an ack says.
+                link = self._link_for(peer)
+                if link is not None and msg.gen:
+                    link.post_ordered(m.DrainAck(rid=msg.rid, gen=msg.gen, posted=0, completed=0),
+                                      slot=0, gen=msg.gen)
+                return
+            self.stats["aborted_by_peer"] += 1
+            error = TransferAborted(f"decode aborted: {msg.detail}", reason=msg.reason,
+                                    rid=req.rid, generation=req.gen)
+            self._stop(req, error, ack_with=m.DrainAck)
+
+    def on_reject(self, peer: str, msg: m.Reject) -> None:
+        """The receiver rejected the request at its admission (it never reserved pages)."""
+        with self.lock:
+            req = self.active.get(msg.rid)
+            if req is None or req.state is not S.ADMITTED:
+                self.stats["stale_reject"] += 1
+                return
+            req.peer = peer
+            self._fail(req, AdmissionRejected(f"decode rejected it: {msg.detail}", reason=msg.reason,
+                                              rid=req.rid))
+
+    def on_result(self, peer: str, msg: m.Result) -> None:
+        with self.lock:
+            req = self.by_gen.get((peer, msg.gen))
+            if req is None or req.rid != msg.rid or req.state is not S.DONE_SENT:
+                self.stats["stale_result"] += 1
+                return
+            if msg.ok:
+                req.fsm.to(S.SUCCEEDED, "receiver verified")
+                self.stats["succeeded"] += 1
+                self._finish(req)
+            else:
+                self._fail(req, TransferFailed(f"decode could not verify: {msg.detail}", reason=msg.reason,
+                                               rid=req.rid, generation=req.gen))
+
+    def _error(self, peer: str, msg: m.Message, error: KvxferError) -> None:
+        self.stats[f"refused_{error.code}"] += 1
+        log.warning("ignored %s from %s: %s", msg.TYPE, peer, error)
+        self._send(peer, m.Error(about=msg.TYPE, code=error.code, detail=str(error),
+                                 rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0)))
+
+    # local calls ---------------------------------------------------------------------------------
+    def source_pages(self, rid: Any) -> np.ndarray:
+        with self.lock:
+            return self._lookup(rid).pages
+
+    def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None,
+             aux: bytes = b"") -> SendRequest:
+        """Post writes for the next chunk of the request; the chunk that reaches the end posts DONE.
+
+        ``src_pages`` (external mode) are the chunk's source pages; otherwise the chunk is the next
+        ``count`` held pages (default: all remaining)."""
+        with self.lock:
+            req = self._lookup(rid)
+            if req.state not in (S.READY, S.TRANSFERRING):
+                why = f": {req.error}" if req.error is not None else ""
+                raise TransferFailed(f"cannot send in state {req.state.value}{why}", reason="state",
+                                     rid=rid, generation=req.gen or None)
+            assert req.dst_pages is not None
+            remaining = req.total_pages - req.sent
+            if req.placeholder:
+                remaining = len(req.pages) - req.sent
+            if src_pages is not None:
+                chunk = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+                self.layout.check_pages(chunk)
+            else:
+                take = remaining if count is None else min(int(count), remaining)
+                chunk = req.pages[req.sent : req.sent + take]
+            if chunk.size > remaining:
+                raise TransferFailed(f"chunk of {chunk.size} pages, only {remaining} left to send",
+                                     reason="overflow", rid=rid, generation=req.gen)
+            if chunk.size:
+                dst = req.dst_pages[req.sent : req.sent + chunk.size]
+                batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
+                batch.owner = req
+                req.posted += len(batch)
+                req.bytes_posted += batch.nbytes
+                req.batches.append(batch)
+                req.src_sent.append(chunk)
+                req.sent += chunk.size
+                if req.state is S.READY:
+                    req.fsm.to(S.TRANSFERRING, "first chunk posted")
+                self.stats["writes_posted"] += len(batch)
+                self.stats["bytes_posted"] += batch.nbytes
+                try:
+                    req.link.post_writes(batch, self._on_complete)
+                except TransportError as exc:
+                    req.completed += len(batch)
+                    req.failed_writes += len(batch)
+                    self._fail(req, TransferFailed(f"could not post writes: {exc}", reason="transport",
+                                                   rid=rid, generation=req.gen))
+                    return req
+            last = req.sent == (len(req.pages) if req.placeholder else req.total_pages)
+            if last and req.state in (S.TRANSFERRING, S.READY):
+                self._post_done(req, aux)
+            return req
+
+    def _post_done(self, req: SendRequest, aux: bytes) -> None:
+        src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
+        value = checksum_pages(self.layout, src, self.checksum)
+        done = m.Done(rid=req.rid, gen=req.gen, bytes=self.layout.bytes_for_pages(src.size),
+                      pages=int(src.size), checksum=value, algo=self.checksum.value, aux=aux)
+        if req.state is S.READY:
+            req.fsm.to(S.TRANSFERRING, "empty transfer")
+        req.link.post_ordered(done, slot=req.slot, gen=req.gen)
+        req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
+        self.stats["done_sent"] += 1
+        self.changed.notify_all()
+
+    def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
+        """Stop a request. Its receiver learns it on the ordered path once posted writes completed."""
+        with self.lock:
+            req = self._lookup(rid)
+            if req.fsm.terminal or req.state is S.DRAINING:
+                return req
+            error = TransferAborted(reason, reason="aborted", rid=rid, generation=req.gen or None)
+            self.stats["aborted"] += 1
+            if req.state is S.ADMITTED:
+                req.error = error
+                req.fsm.to(S.ABORTED, reason)
+                self._finish(req)
+                return req
+            if req.state is S.DONE_SENT:
+                req.error = error
+                req.fsm.to(S.ABORTED, reason)
+                self._finish(req)
+                return req
+            self._stop(req, error, ack_with=m.Abort)
+            return req
+
+    def _stop(self, req: SendRequest, error: KvxferError, *, ack_with: type) -> None:
+        """Cancel unposted work and send the drain proof (``ack_with``) once quiescent."""
+        if req.fsm.terminal or req.state is S.DRAINING:
+            return
+        req.error = error
+        if req.state is S.DONE_SENT:
+            # DONE was ordered behind every write; it already proves the drain.
+            req.fsm.to(S.ABORTED, "aborted after DONE")
+        elif req.state in (S.ADMITTED, S.READY):
+            # Nothing was posted: the proof can go at once.
+            req.fsm.to(S.ABORTED, error.detail)
+            if req.state is S.ABORTED and req.link is not None:
+                self._post_drain_proof(req, ack_with)
+        else:
+            for batch in req.batches:
+                batch.cancelled = True
+            req.fsm.to(S.DRAINING, error.detail)
+            req.ack_with = ack_with
+            self._maybe_drained(req)
+            return
+        self._finish(req)
+
+    def _post_drain_proof(self, req: SendRequest, ack_with: type) -> None:
+        if req.link is None:
+            return
+        if ack_with is m.DrainAck:
+            msg: m.Message = m.DrainAck(rid=req.rid, gen=req.gen, posted=req.posted, completed=req.completed)
+        else:
+            msg = m.Abort(rid=req.rid, gen=req.gen, reason="aborted", detail=str(req.error))
+        try:
+            req.link.post_ordered(msg, slot=req.slot, gen=req.gen)
+            self.stats["drain_acks" if ack_with is m.DrainAck else "aborts_sent"] += 1
+        except TransportError as exc:
+            log.warning("could not post drain proof for %r generation %d: %s", req.rid, req.gen, exc)
+
+    def _maybe_drained(self, req: SendRequest) -> None:
+        if req.state is S.DRAINING and req.quiescent:
+            self._post_drain_proof(req, req.ack_with)
+            req.fsm.to(S.ABORTED, f"drained: {req.posted} writes completed")
+            self._finish(req)
+
+    # transport events -------------------------------------------------------------------------------
+    def _on_complete(self, batch: WriteBatch, ok: int, failed: int) -> None:
+        """Transport callback: ``ok + failed`` writes of ``batch`` completed (any thread)."""
+        with self.lock:
+            req = batch.owner
+            if req is None:
+                return
+            req.completed += ok + failed
+            req.failed_writes += failed
+            self.stats["writes_completed"] += ok + failed
+            if failed and not batch.cancelled and req.state in (S.TRANSFERRING, S.DONE_SENT):
+                self._fail(req, TransferFailed(f"{failed} writes failed on the wire", reason="write_error",
+                                               rid=req.rid, generation=req.gen))
+            self._maybe_drained(req)
+            self._maybe_release(req)
+            self.changed.notify_all()
+
+    def on_connection_closed(self, link: Any, reason: str) -> None:
+        """The data connection is gone (dead peer or fence): settle every request bound to it."""
+        with self.lock:
+            for req in list(self.active.values()):
+                if req.link is not link:
+                    continue
+                if req.state is S.DRAINING:
+                    req.fsm.to(S.ABORTED, f"connection closed: {reason}")
+                    self._finish(req)
+                elif not req.fsm.terminal and req.state is not S.ADMITTED:
+                    self._fail(req, TransferFailed(f"connection closed: {reason}", reason="connection",
+                                                   rid=req.rid, generation=req.gen))
+
+    def tick(self) -> None:
+        with self.lock:
+            now = self._clock()
+            for req in list(self.active.values()):
+                if req.state is S.ADMITTED and now >= req.deadline:
+                    self._fail(req, TransferFailed(
+                        f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
+                        rid=req.rid))
+            for rid, (peer, msg, deadline) in list(self.pending_meta.items()):
+                if now >= deadline:
+                    del self.pending_meta[rid]
+                    self.stats["meta_expired"] += 1
+                    self._reject_meta(peer, msg, "not_admitted",
+                                      f"prefill never admitted request {rid!r} within {self.meta_timeout:g} s")
+
+    # bookkeeping -----------------------------------------------------------------------------------
+    def _lookup(self, rid: Any) -> SendRequest:
+        req = self.active.get(rid) or self.recent.get(rid)
+        if req is None:
+            raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
+        return req
+
+    def _fail(self, req: SendRequest, error: KvxferError) -> None:
+        if req.fsm.terminal:
+            return
+        for batch in req.batches:
+            batch.cancelled = True
+        req.error = error
+        req.fsm.to(S.FAILED, error.code)
+        self.stats["failed"] += 1
+        log.info("%s", error)
+        self._finish(req)
+
+    def _finish(self, req: SendRequest) -> None:
+        req.finished = self._clock()
+        if self.active.get(req.rid) is req:
+            del self.active[req.rid]
+        self._remember(req)
+        self._maybe_release(req)
+        self.changed.notify_all()
+
+    def _maybe_release(self, req: SendRequest) -> None:
+        if req.sources_released or not req.fsm.terminal or not req.quiescent:
+            return
+        req.sources_released = True
+        req.batches = []
+        if req.pages.size and not req.external:
+            self.pool.release(req.pages, req.local_gen, allowed=(PageState.RESERVED,))
+
+    def _remember(self, req: SendRequest) -> None:
+        self.recent[req.rid] = req
+        self.recent.move_to_end(req.rid)
+        while len(self.recent) > HISTORY_LIMIT:
+            self.recent.popitem(last=False)
+        while len(self.by_gen) > HISTORY_LIMIT:
+            self.by_gen.popitem(last=False)
+
+    def settled(self, req: SendRequest) -> bool:
+        """Terminal and quiescent: the caller may reuse the request's source memory."""
+        return req.fsm.terminal and req.quiescent
+
+    def check_accounting(self) -> dict[str, int]:
+        from .errors import LedgerInvariantError
+
+        with self.lock:
+            counts = self.pool.ledger.check_invariants()
+            held = np.zeros(self.layout.num_pages, dtype=np.int32)
+            holders = list(self.active.values()) + [
+                r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external
+            ]
+            for req in holders:
+                if req.external:
+                    continue
+                ok = self.pool.ledger.owned_by(req.pages, req.local_gen, (PageState.RESERVED,))
+                if not ok.all():
+                    raise LedgerInvariantError("source pages not held under the request's stamp",
+                                               rid=req.rid, pages=req.pages[~ok])
+                np.add.at(held, req.pages, 1)
+            if (held > 1).any():
+                raise LedgerInvariantError("source pages held twice", pages=np.flatnonzero(held > 1))
+            orphan = np.flatnonzero((held == 0) & (self.pool.ledger.state != PageState.FREE))
+            if orphan.size:
+                raise LedgerInvariantError("source pages held by no request", pages=orphan)
+            return counts

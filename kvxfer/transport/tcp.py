@@ -1,0 +1,511 @@
+"""The software transport: one-sided, tagged writes over TCP, for machines without RDMA.
+
+The receiving side behaves like a NIC: a thread per connection reads frames and lands WRITE
+payloads straight into the destination pages with ``recv_into`` (no intermediate copy), consulting
+only the :class:`~kvxfer.writeguard.WriteGuard` (the software rkey), never the decode engine's logic.
+A refused write's payload is read into a scratch buffer and dropped. ORDERED frames (DONE,
+DRAIN_ACK, REJECT, ABORT) are handed to the engine only after every earlier frame on the connection
+was processed, which is what makes them drain proofs.
+
+The sending side (:class:`TcpLink`) runs a thread per connection that turns write batches into
+frames (gather ``sendmsg`` from the source pages) and reports completions; a batch whose request
+was aborted before its turn is dropped unsent and reported complete-but-failed.
+
+Fencing a connection (:meth:`TcpReceiver.fence`) shuts the socket down and joins its thread, so when
+it returns nothing more from that connection can land anywhere.
+
+Invariants: a connection's first frame is CONNECT and binds it to a peer and epoch; a protocol
+error ends the connection (the byte stream is out of sync); every connection that ends is reported
+exactly once, either to the fencer (return value) or through ``on_closed``.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ProtocolError, TransportError, WriteRefused
+from ..layout import KVLayout
+from ..runs import WriteBatch
+from ..wire import frames as f
+from ..wire import messages as m
+from ..writeguard import WriteGuard
+from .faults import FaultInjector
+
+log = logging.getLogger("kvxfer.tcp")
+
+FRAME_MAX_RUNS = 512
+FRAME_MAX_BYTES = 32 << 20
+ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
+_SCRATCH = 1 << 20
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise TransportError(f"bad tcp address {address!r} (expected host:port)")
+    return host.strip("[]"), int(port)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        except OSError:  # pragma: no cover - kernel limits
+            pass
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` or raise ConnectionError on EOF."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
+
+
+def send_all(sock: socket.socket, pieces: list[Any]) -> None:
+    """Gather-send every piece (bytes / memoryviews), handling partial sends."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    index = 0
+    while index < len(views):
+        batch = views[index : index + 1000]
+        sent = sock.sendmsg(batch)
+        while sent > 0 and index < len(views):
+            size = len(views[index])
+            if sent >= size:
+                sent -= size
+                index += 1
+            else:
+                views[index] = views[index][sent:]
+                sent = 0
+
+
+# receiving side -------------------------------------------------------------------------------------
+
+
+class _ConnState(enum.Enum):
+    OPEN = "open"
+    FENCING = "fencing"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Inbound:
+    sock: socket.socket
+    conn_id: Any = None
+    thread: threading.Thread | None = None
+    state: _ConnState = _ConnState.OPEN
+
+
+class TcpReceiver:
+    """Accepts writers' data connections and lands their writes through the write guard."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        guard: WriteGuard,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_connect: Callable[[m.Connect], Any],
+        on_ordered: Callable[[Any, m.Message], None],
+        on_closed: Callable[[Any, str], None],
+    ) -> None:
+        self.layout = layout
+        self.guard = guard
+        self._on_connect = on_connect
+        self._on_ordered = on_ordered
+        self._on_closed = on_closed
+        self._dst = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._conns: dict[Any, _Inbound] = {}
+        self._pending: set[_Inbound] = set()
+        self._closed = False
+        self.protocol_errors = 0
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvxfer-tcp-accept", daemon=True)
+        self._accept_thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _addr = self._listener.accept()
+            except OSError:
+                return
+            if self._closed:
+                sock.close()
+                return
+            _tune(sock)
+            inbound = _Inbound(sock)
+            thread = threading.Thread(target=self._serve, args=(inbound,), name="kvxfer-tcp-recv", daemon=True)
+            inbound.thread = thread
+            with self._lock:
+                self._pending.add(inbound)
+            thread.start()
+
+    def _serve(self, inbound: _Inbound) -> None:
+        sock = inbound.sock
+        header_buf = bytearray(f.HEADER_SIZE)
+        header_view = memoryview(header_buf)
+        scratch = memoryview(bytearray(_SCRATCH))
+        reason = "closed"
+        try:
+            recv_exact(sock, header_view)
+            header = f.parse_header(header_buf)
+            if header.kind is not f.FrameKind.CONNECT:
+                raise ProtocolError(f"first frame must be CONNECT, got {header.kind.name}")
+            body = bytearray(header.body_len)
+            recv_exact(sock, memoryview(body))
+            hello = m.decode(body)
+            if not isinstance(hello, m.Connect):
+                raise ProtocolError(f"CONNECT frame carries {hello.TYPE}")
+            conn_id = self._on_connect(hello)
+            if conn_id is None:
+                raise ProtocolError(f"connection from {hello.engine!r} refused: unknown session")
+            with self._lock:
+                self._pending.discard(inbound)
+                if self._closed:
+                    raise ConnectionError("receiver closed")
+                inbound.conn_id = conn_id
+                self._conns[conn_id] = inbound
+            while True:
+                recv_exact(sock, header_view)
+                header = f.parse_header(header_buf)
+                if header.kind is f.FrameKind.WRITE:
+                    self._land_write(sock, inbound.conn_id, header, scratch)
+                elif header.kind is f.FrameKind.ORDERED:
+                    body = bytearray(header.body_len)
+                    recv_exact(sock, memoryview(body))
+                    msg = m.decode(body)
+                    if not isinstance(msg, ORDERED_TYPES):
+                        raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")
+                    if msg.gen != header.generation:
+                        raise ProtocolError(
+                            f"ORDERED frame tagged generation {header.generation} carries {msg.TYPE} "
+                            f"for generation {msg.gen}"
+                        )
+                    self._on_ordered(inbound.conn_id, msg)
+                else:
+                    raise ProtocolError("second CONNECT on one connection")
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            reason = f"protocol error: {exc}"
+            log.warning("data connection %s: %s", inbound.conn_id, reason)
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection lost: {exc}"
+        finally:
+            self._finish(inbound, reason)
+
+    def _land_write(self, sock: socket.socket, conn_id: Any, header: f.FrameHeader, scratch: memoryview) -> None:
+        body = bytearray(header.body_len)
+        recv_exact(sock, memoryview(body))
+        runs = f.parse_runs(header, body)
+        try:
+            window, counts = self.guard.check(conn_id, header.slot, header.generation, runs)
+        except WriteRefused:
+            remaining = header.payload_len
+            while remaining:
+                chunk = min(remaining, len(scratch))
+                recv_exact(sock, scratch[:chunk])
+                remaining -= chunk
+            return
+        for buffer, offset, length in zip(
+            runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
+        ):
+            recv_exact(sock, self._dst[buffer][offset : offset + length])
+        self.guard.record(window, runs, counts)
+
+    def _finish(self, inbound: _Inbound, reason: str) -> None:
+        with self._lock:
+            self._pending.discard(inbound)
+            fenced = inbound.state is _ConnState.FENCING
+            inbound.state = _ConnState.CLOSED
+            if inbound.conn_id is not None and self._conns.get(inbound.conn_id) is inbound:
+                del self._conns[inbound.conn_id]
+        try:
+            inbound.sock.close()
+        except OSError:  # pragma: no cover
+            pass
+        if not fenced and inbound.conn_id is not None:
+            self._on_closed(inbound.conn_id, reason)
+
+    def fence(self, conn_id: Any) -> bool:
+        """Close ``conn_id`` and wait until its thread stopped: afterwards nothing from it lands.
+
+        Returns True if this call closed a live connection (the caller settles its requests),
+        False if it was already gone (``on_closed`` settled them)."""
+        with self._lock:
+            inbound = self._conns.get(conn_id)
+            if inbound is None or inbound.state is not _ConnState.OPEN:
+                return False
+            inbound.state = _ConnState.FENCING
+        try:
+            inbound.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if inbound.thread is not None and inbound.thread is not threading.current_thread():
+            inbound.thread.join()
+        return True
+
+    def connections(self) -> list[Any]:
+        with self._lock:
+            return list(self._conns)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        try:
+            self._listener.close()
+        except OSError:  # pragma: no cover
+            pass
+        for conn_id in self.connections():
+            if self.fence(conn_id):
+                self._on_closed(conn_id, "receiver closed")
+        with self._lock:
+            pending = list(self._pending)
+        for inbound in pending:
+            try:
+                inbound.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if inbound.thread is not None:
+                inbound.thread.join()
+        self._accept_thread.join(timeout=2)
+
+
+# sending side ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _WriteJob:
+    batch: WriteBatch
+    on_complete: Callable[[WriteBatch, int, int], None]
+
+
+@dataclass
+class _OrderedJob:
+    frame: bytes
+
+
+@dataclass
+class _RawJob:
+    frame: list[Any]
+
+
+_TICK = object()
+
+
+class TcpLink:
+    """One data connection to one receiver, with its own sending thread."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        address: str,
+        *,
+        connect: m.Connect,
+        on_closed: Callable[[TcpLink, str], None],
+        faults: FaultInjector | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.layout = layout
+        self.address = address
+        self.conn_id = (connect.engine, connect.epoch)
+        self.epoch = connect.epoch
+        self._on_closed = on_closed
+        self.faults = faults
+        self._src = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        host, port = parse_address(address)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TransportError(f"cannot open data connection to {address}: {exc}") from exc
+        self._sock.settimeout(None)
+        _tune(self._sock)
+        self._queue: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._alive = True
+        self._closing = False
+        self._reported = False
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        send_all(self._sock, [f.message_frame(f.FrameKind.CONNECT, m.encode(connect))])
+        self._thread = threading.Thread(target=self._run, name="kvxfer-tcp-send", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    # posting -------------------------------------------------------------------------------------------
+    def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None:
+        self._post(_WriteJob(batch, on_complete))
+
+    def post_ordered(self, msg: m.Message, *, slot: int, gen: int) -> None:
+        self._post(_OrderedJob(f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=slot, generation=gen)))
+
+    def post_raw(self, pieces: list[Any]) -> None:
+        """Send prepared frame bytes as they are (fault replay, hostile-peer tests)."""
+        self._post(_RawJob(pieces))
+
+    def _post(self, job: Any) -> None:
+        with self._cond:
+            if not self._alive or self._closing:
+                raise TransportError(f"data connection to {self.address} is closed")
+            self._queue.append(job)
+            self._cond.notify()
+
+    # the sending thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "closed"
+        try:
+            while True:
+                job = self._next_job()
+                if self.faults is not None:
+                    self.faults.wait_if_paused()
+                    for frame in self.faults.due_late():
+                        send_all(self._sock, frame)
+                if job is None:
+                    break
+                if job is _TICK:
+                    continue
+                if isinstance(job, _WriteJob):
+                    self._send_batch(job)
+                elif isinstance(job, _OrderedJob):
+                    send_all(self._sock, [job.frame])
+                else:
+                    send_all(self._sock, job.frame)
+                self.frames_sent += 1
+        except OSError as exc:
+            reason = f"connection lost: {exc}"
+        finally:
+            self._shutdown(reason)
+
+    def _next_job(self) -> Any:
+        """The next job; ``_TICK`` when a held late frame fell due; None when closing."""
+        with self._cond:
+            while not self._queue:
+                if self._closing:
+                    return None
+                due = self.faults.next_due() if self.faults is not None else None
+                if due is None:
+                    self._cond.wait()
+                else:
+                    wait = due - time.monotonic()
+                    if wait <= 0:
+                        return _TICK
+                    self._cond.wait(wait)
+            return self._queue.popleft()
+
+    def _send_batch(self, job: _WriteJob) -> None:
+        batch = job.batch
+        total = len(batch)
+        start = 0
+        while start < total:
+            if batch.cancelled:
+                job.on_complete(batch, 0, total - start)
+                return
+            end = start + 1
+            size = int(batch.lengths[start])
+            while end < total and end - start < FRAME_MAX_RUNS and size + int(batch.lengths[end]) <= FRAME_MAX_BYTES:
+                size += int(batch.lengths[end])
+                end += 1
+            self._send_frame(batch, start, end, size)
+            job.on_complete(batch, end - start, 0)
+            start = end
+
+    def _send_frame(self, batch: WriteBatch, start: int, end: int, size: int) -> None:
+        buffers = batch.buffers[start:end]
+        header = f.write_header(batch.slot, batch.gen, end - start, size)
+        runs = f.pack_runs(buffers, batch.dst_offsets[start:end], batch.lengths[start:end])
+        payload: list[Any] = [
+            self._src[b][o : o + n]
+            for b, o, n in zip(buffers.tolist(), batch.src_offsets[start:end].tolist(),
+                               batch.lengths[start:end].tolist())
+        ]
+        if self.faults is not None:
+            decision = self.faults.on_write(batch)
+            if decision["slow"]:
+                time.sleep(self.faults.config.slow_delay_s)
+            if decision["flip"]:
+                victim = self.faults.pick(len(payload))
+                copy = bytearray(payload[victim])
+                self.faults.flip(copy)
+                payload[victim] = copy
+            frame = [header, runs, *payload]
+            if decision["capture"] or decision["late"]:
+                snapshot = [header, runs, b"".join(bytes(p) for p in payload)]
+                if decision["capture"]:
+                    self.faults.keep_captured(snapshot)
+                if decision["late"]:
+                    self.faults.hold_late(snapshot)
+            send_all(self._sock, frame)
+            if decision["duplicate"]:
+                send_all(self._sock, frame)
+        else:
+            send_all(self._sock, [header, runs, *payload])
+        self.bytes_sent += size
+
+    def _shutdown(self, reason: str) -> None:
+        with self._cond:
+            self._alive = False
+            pending = list(self._queue)
+            self._queue.clear()
+        for job in pending:
+            if isinstance(job, _WriteJob):
+                job.on_complete(job.batch, 0, len(job.batch))
+        try:
+            self._sock.close()
+        except OSError:  # pragma: no cover
+            pass
+        if not self._reported:
+            self._reported = True
+            self._on_closed(self, reason)
+
+    def close(self, *, flush: bool = True) -> None:
+        """Stop the link. With ``flush`` queued frames are sent first; idempotent."""
+        with self._cond:
+            if self._closing:
+                pending_thread = self._thread
+            else:
+                self._closing = True
+                if not flush:
+                    for job in self._queue:
+                        if isinstance(job, _WriteJob):
+                            job.batch.cancelled = True
+                self._cond.notify_all()
+                pending_thread = self._thread
+        if self.faults is not None:
+            self.faults.resume()
+        if pending_thread is not threading.current_thread():
+            pending_thread.join(timeout=10)
+        if pending_thread.is_alive():
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            pending_thread.join(timeout=5)
+
+    def abort_connection(self) -> None:
+        """Drop the connection at once (a crashed writer), without flushing."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

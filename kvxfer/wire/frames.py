@@ -1,0 +1,124 @@
+"""Data-plane frames of the software (tcp) transport.
+
+A frame is a fixed 32-byte header, a body and, for WRITE, a payload (``protocol/SPEC.md`` §3)::
+
+    magic "KX" | version u8 | kind u8 | slot u32 | generation u64 | count u32 | body_len u32 | payload_len u64
+
+* ``CONNECT`` (kind 1): body is a msgpack CONNECT message; first frame on a connection.
+* ``WRITE``   (kind 2): body is ``count`` runs of ``<IIQQ`` (buffer, flags=0, offset, length), the
+  payload is the runs' bytes back to back. ``(slot, generation)`` is the write's tag.
+* ``ORDERED`` (kind 3): body is a msgpack control message (DONE, DRAIN_ACK, REJECT, ABORT) that
+  must be acted on only after every earlier frame on the connection; the header's tag repeats the
+  message's generation and slot.
+
+All integers are little-endian. The parser checks every field and its limits and raises
+:class:`~kvxfer.errors.ProtocolError`; a stream that produced one is out of sync and gets fenced.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .messages import MAX_MESSAGE_BYTES
+
+MAGIC = b"KX"
+FRAME_VERSION = 1
+HEADER = struct.Struct("<2sBBIQIIQ")
+HEADER_SIZE = HEADER.size  # 32
+RUN_DTYPE = np.dtype([("buffer", "<u4"), ("flags", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+RUN_SIZE = RUN_DTYPE.itemsize  # 24
+MAX_RUNS = 8192
+MAX_PAYLOAD = 1 << 30
+
+assert HEADER_SIZE == 32 and RUN_SIZE == 24
+
+
+class FrameKind(enum.IntEnum):
+    CONNECT = 1
+    WRITE = 2
+    ORDERED = 3
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: FrameKind
+    slot: int
+    generation: int
+    count: int
+    body_len: int
+    payload_len: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC,
+            FRAME_VERSION,
+            int(self.kind),
+            self.slot,
+            self.generation,
+            self.count,
+            self.body_len,
+            self.payload_len,
+        )
+
+
+def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, kind, slot, gen, count, body_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): stream out of sync")
+    if version != FRAME_VERSION:
+        raise ProtocolError(f"unsupported frame version {version} (this engine speaks {FRAME_VERSION})")
+    try:
+        kind = FrameKind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if kind is FrameKind.WRITE:
+        if not 1 <= count <= MAX_RUNS:
+            raise ProtocolError(f"WRITE frame with {count} runs (allowed 1..{MAX_RUNS})")
+        if body_len != count * RUN_SIZE:
+            raise ProtocolError(f"WRITE frame body of {body_len} bytes for {count} runs")
+        if not 1 <= payload_len <= MAX_PAYLOAD:
+            raise ProtocolError(f"WRITE frame payload of {payload_len} bytes (allowed 1..{MAX_PAYLOAD})")
+    else:
+        if count or payload_len:
+            raise ProtocolError(f"{kind.name} frame must have no runs and no payload")
+        if not 1 <= body_len <= MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"{kind.name} frame body of {body_len} bytes")
+    return FrameHeader(kind, slot, gen, count, body_len, payload_len)
+
+
+def parse_runs(header: FrameHeader, body: bytes | bytearray | memoryview) -> np.ndarray:
+    """The WRITE frame's run table; checks it adds up to the payload."""
+    runs = np.frombuffer(body, dtype=RUN_DTYPE, count=header.count)
+    if (runs["flags"] != 0).any():
+        raise ProtocolError("WRITE run with unknown flags")
+    lengths = runs["length"]
+    if (lengths == 0).any():
+        raise ProtocolError("WRITE run of zero bytes")
+    if int(lengths.sum(dtype=np.uint64)) != header.payload_len:
+        raise ProtocolError(
+            f"WRITE runs add up to {int(lengths.sum(dtype=np.uint64))} bytes, header says {header.payload_len}"
+        )
+    return runs
+
+
+def pack_runs(buffers: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+    runs = np.zeros(len(buffers), dtype=RUN_DTYPE)
+    runs["buffer"] = buffers
+    runs["offset"] = offsets
+    runs["length"] = lengths
+    return runs.tobytes()
+
+
+def write_header(slot: int, generation: int, count: int, payload_len: int) -> bytes:
+    return FrameHeader(FrameKind.WRITE, slot, generation, count, count * RUN_SIZE, payload_len).pack()
+
+
+def message_frame(kind: FrameKind, body: bytes, *, slot: int = 0, generation: int = 0) -> bytes:
+    return FrameHeader(kind, slot, generation, 0, len(body), 0).pack() + body

@@ -1,0 +1,495 @@
+"""Control-plane messages: their fields, their msgpack encoding and a strict decoder.
+
+Encoding (``protocol/SPEC.md`` §2): a msgpack array ``[version, type, body]`` where ``version`` is
+:data:`PROTOCOL_VERSION`, ``type`` the message name and ``body`` a map of field name to value, keys
+in the order the fields are declared here, every field present. Page lists travel as little-endian
+``uint32`` arrays in a bin field. The encoding is deterministic, so ``protocol/golden/`` holds the
+exact bytes of every message and the tests compare both ways.
+
+The decoder accepts exactly what the encoder produces: anything else (not msgpack, trailing bytes,
+wrong version, unknown type, missing or unexpected field, wrong type, out-of-range value, oversized
+message) raises :class:`~kvxfer.errors.ProtocolError` naming the problem. It never raises anything
+else, which the hypothesis tests check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from ..errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_STR = 4096
+MAX_RID_STR = 512
+MAX_PAGES = (64 << 20) // 4 - 1024
+U64 = (1 << 64) - 1
+
+Rid = str | int
+
+
+# field kinds ---------------------------------------------------------------------------------
+
+
+class Kind:
+    name = "any"
+
+    def check(self, value: Any) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class _UInt(Kind):
+    name = "uint64"
+
+    def __init__(self, maximum: int = U64) -> None:
+        self.maximum = maximum
+
+    def check(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"expected an unsigned integer, got {type(value).__name__}")
+        if not 0 <= value <= self.maximum:
+            raise ValueError(f"{value} outside [0, {self.maximum}]")
+        return value
+
+
+class _Str(Kind):
+    name = "str"
+
+    def __init__(self, max_len: int = MAX_STR) -> None:
+        self.max_len = max_len
+
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ValueError(f"string of {len(value)} characters exceeds {self.max_len}")
+        return value
+
+
+class _Bytes(Kind):
+    name = "bin"
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+    def check(self, value: Any) -> bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"expected bytes, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ValueError(f"{len(value)} bytes exceed {self.max_len}")
+        return bytes(value)
+
+
+class _Bool(Kind):
+    name = "bool"
+
+    def check(self, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected a boolean, got {type(value).__name__}")
+        return value
+
+
+class _Rid(Kind):
+    """A request id: a non-empty string (at most 512 characters) or an unsigned 64-bit integer."""
+
+    name = "rid"
+
+    def check(self, value: Any) -> Rid:
+        if isinstance(value, str):
+            if not value or len(value) > MAX_RID_STR:
+                raise ValueError(f"request id string must have 1..{MAX_RID_STR} characters")
+            return value
+        return _UInt().check(value)
+
+
+class _UIntList(Kind):
+    name = "array<uint64>"
+
+    def __init__(self, max_len: int = 65536) -> None:
+        self.max_len = max_len
+
+    def check(self, value: Any) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected an array, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ValueError(f"array of {len(value)} items exceeds {self.max_len}")
+        return [_UInt().check(v) for v in value]
+
+
+class _Pages(Kind):
+    """Page indices as little-endian uint32 in a bin field; decodes to an int64 numpy array."""
+
+    name = "bin<uint32le[]>"
+
+    def check(self, value: Any) -> np.ndarray:
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1:
+                raise ValueError("page array must be one-dimensional")
+            if value.size and (value.min() < 0 or value.max() > 0xFFFFFFFF):
+                raise ValueError("page index outside uint32")
+            if value.size > MAX_PAGES:
+                raise ValueError(f"{value.size} pages exceed {MAX_PAGES}")
+            return value.astype(np.int64)
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"expected page bytes, got {type(value).__name__}")
+        if len(value) % 4:
+            raise ValueError(f"page bytes length {len(value)} is not a multiple of 4")
+        if len(value) // 4 > MAX_PAGES:
+            raise ValueError(f"{len(value) // 4} pages exceed {MAX_PAGES}")
+        return np.frombuffer(bytes(value), dtype="<u4").astype(np.int64)
+
+
+UINT = _UInt()
+U32 = _UInt((1 << 32) - 1)
+STR = _Str()
+BOOL = _Bool()
+RID = _Rid()
+PAGES = _Pages()
+
+
+def _f(kind: Kind, doc: str, default: Any = dataclasses.MISSING) -> Any:
+    meta = {"kind": kind, "doc": doc}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# messages ------------------------------------------------------------------------------------
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+    DOC: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        return encode(self)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if not np.array_equal(np.asarray(a), np.asarray(b)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _register(cls: type[Message]) -> type[Message]:
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Hello(Message):
+    TYPE: ClassVar[str] = "HELLO"
+    DOC: ClassVar[str] = (
+        "receiver -> writer, control. Opens a peering: who the receiver is, where to reach it, "
+        "its layout and capacity. The writer answers HELLO_ACK and then opens the data path."
+    )
+    engine: str = _f(STR, "sender's engine id")
+    role: str = _f(STR, "'decode' (receiver) or 'prefill' (writer)")
+    session: bytes = _f(_Bytes(64), "random token the writer presents when it opens the data path")
+    reply_to: str = _f(STR, "sender's control address (zmq endpoint)")
+    transport: str = _f(STR, "data transport: 'tcp' or 'verbs'")
+    data_addr: str = _f(STR, "receiver's data-plane address (tcp: host:port)")
+    page_size: int = _f(U32, "tokens per page")
+    num_pages: int = _f(U32, "pages in the sender's pool")
+    item_lens: list = _f(_UIntList(), "bytes per page of each buffer, in layout order")
+    pool_tokens: int = _f(UINT, "tokens the sender's pool holds")
+    max_context: int = _f(UINT, "sender's configured maximum context length (tokens)")
+    checksum: str = _f(STR, "checksum algorithm the sender expects: 'adler32' or 'crc32'")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class HelloAck(Message):
+    TYPE: ClassVar[str] = "HELLO_ACK"
+    DOC: ClassVar[str] = (
+        "writer -> receiver, control. Accepts (ok) or refuses a peering, with the writer's own "
+        "layout and capacity, so the receiver can reject prompts the writer's pool cannot hold."
+    )
+    engine: str = _f(STR, "sender's engine id")
+    role: str = _f(STR, "'prefill'")
+    session: bytes = _f(_Bytes(64), "the session token from HELLO")
+    ok: bool = _f(BOOL, "whether the peering is accepted")
+    error: str = _f(STR, "why not, when ok is false")
+    page_size: int = _f(U32, "tokens per page")
+    num_pages: int = _f(U32, "pages in the writer's pool")
+    item_lens: list = _f(_UIntList(), "bytes per page of each buffer")
+    pool_tokens: int = _f(UINT, "tokens the writer's pool holds")
+    max_context: int = _f(UINT, "writer's configured maximum context length")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Connect(Message):
+    TYPE: ClassVar[str] = "CONNECT"
+    DOC: ClassVar[str] = (
+        "writer -> receiver, first frame of a data connection. Binds the connection to the peering "
+        "HELLO opened (by its session token) under a new epoch; later frames need no identity."
+    )
+    engine: str = _f(STR, "writer's engine id")
+    session: bytes = _f(_Bytes(64), "the session token from the receiver's HELLO")
+    epoch: int = _f(UINT, "connection epoch, increasing per reconnect")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Meta(Message):
+    TYPE: ClassVar[str] = "META"
+    DOC: ClassVar[str] = (
+        "receiver -> writer, control. The receiver admitted a request and reserved pages: "
+        "write page i of the request into pages[i], tagged (slot, gen)."
+    )
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation (receiver-assigned, unique, increasing)")
+    slot: int = _f(_UInt(0xFFFF), "receiver's request slot (tag low bits)")
+    tokens: int = _f(UINT, "prompt tokens")
+    pages: np.ndarray = _f(PAGES, "destination page indices, little-endian uint32")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Reject(Message):
+    TYPE: ClassVar[str] = "REJECT"
+    DOC: ClassVar[str] = (
+        "either way. The sender refused the request at admission. Writer -> receiver travels on "
+        "the ordered data path, so it also proves no write for gen is in flight."
+    )
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation, 0 when the sender never learned one")
+    reason: str = _f(STR, "machine-readable reason (e.g. 'exceeds_pool')")
+    detail: str = _f(STR, "human-readable error")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Abort(Message):
+    TYPE: ClassVar[str] = "ABORT"
+    DOC: ClassVar[str] = (
+        "either way. Receiver -> writer (control): stop writing gen and send DRAIN_ACK once every "
+        "posted write completed. Writer -> receiver (ordered data path): the writer gave up; being "
+        "ordered behind its writes, it proves the drain."
+    )
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation")
+    reason: str = _f(STR, "machine-readable reason")
+    detail: str = _f(STR, "human-readable detail")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class DrainAck(Message):
+    TYPE: ClassVar[str] = "DRAIN_ACK"
+    DOC: ClassVar[str] = (
+        "writer -> receiver, ordered data path. Every write the writer posted for gen has "
+        "completed; the receiver may release gen's quarantined pages (only gen's)."
+    )
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation being acknowledged")
+    posted: int = _f(UINT, "writes posted for gen")
+    completed: int = _f(UINT, "writes completed for gen (equals posted)")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Done(Message):
+    TYPE: ClassVar[str] = "DONE"
+    DOC: ClassVar[str] = (
+        "writer -> receiver, ordered data path, behind the request's last write. Claims what was "
+        "written; the receiver verifies every claim against what landed before anyone may read."
+    )
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation")
+    bytes: int = _f(UINT, "bytes written for gen")
+    pages: int = _f(UINT, "pages written for gen (each in every buffer)")
+    checksum: int = _f(U32, "checksum of the source pages in canonical order")
+    algo: str = _f(STR, "'adler32' or 'crc32'")
+    aux: bytes = _f(_Bytes(1 << 20), "small per-request metadata delivered with completion", b"")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Result(Message):
+    TYPE: ClassVar[str] = "RESULT"
+    DOC: ClassVar[str] = "receiver -> writer, control. The outcome of verifying gen."
+    rid: Rid = _f(RID, "request id")
+    gen: int = _f(UINT, "request generation")
+    ok: bool = _f(BOOL, "verified and readable")
+    reason: str = _f(STR, "machine-readable failure reason ('' when ok)")
+    detail: str = _f(STR, "human-readable detail")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Fenced(Message):
+    TYPE: ClassVar[str] = "FENCED"
+    DOC: ClassVar[str] = (
+        "receiver -> writer, control. The receiver closed data connection epoch and discards "
+        "anything that arrives on it; every request in flight on it failed. Reconnect with a new epoch."
+    )
+    epoch: int = _f(UINT, "data connection epoch that was fenced")
+    reason: str = _f(STR, "why (e.g. 'drain_timeout')")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT"
+    DOC: ClassVar[str] = "either way, control. Liveness; a peer silent for too long is dead."
+    engine: str = _f(STR, "sender's engine id")
+    seq: int = _f(UINT, "increasing sequence number")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class Error(Message):
+    TYPE: ClassVar[str] = "ERROR"
+    DOC: ClassVar[str] = (
+        "either way, control. The sender could not act on a message it received (malformed, "
+        "unknown request, stale generation...). Informational: it changes no state."
+    )
+    about: str = _f(STR, "type of the offending message, or '?' when it could not be decoded")
+    code: str = _f(STR, "error code (kvxfer.errors codes)")
+    detail: str = _f(STR, "human-readable error")
+    rid: Rid = _f(RID, "request id concerned, when known", "?")
+    gen: int = _f(UINT, "generation concerned, 0 when unknown", 0)
+
+
+# encoding -------------------------------------------------------------------------------------
+
+
+def _to_wire(kind: Kind, value: Any) -> Any:
+    if isinstance(kind, _Pages):
+        array = np.asarray(value)
+        if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+            raise ProtocolError("page index outside uint32")
+        return array.astype("<u4").tobytes()
+    return value
+
+
+def encode(message: Message) -> bytes:
+    """Deterministic msgpack bytes of ``message`` (validates fields first)."""
+    cls = type(message)
+    if MESSAGE_TYPES.get(cls.TYPE) is not cls:
+        raise ProtocolError(f"{cls.__name__} is not a registered message type")
+    body = {}
+    for f in dataclasses.fields(message):
+        kind: Kind = f.metadata["kind"]
+        value = getattr(message, f.name)
+        try:
+            kind.check(value)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"cannot encode {cls.TYPE}.{f.name}: {exc}") from None
+        body[f.name] = _to_wire(kind, value)
+    data = msgpack.packb([PROTOCOL_VERSION, cls.TYPE, body], use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{cls.TYPE} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one message; raise :class:`ProtocolError` on anything unexpected."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(data) == 0:
+        raise ProtocolError("empty message")
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=MAX_MESSAGE_BYTES,
+        max_str_len=MAX_STR * 4,
+        max_bin_len=MAX_MESSAGE_BYTES,
+        max_array_len=1 << 17,
+        max_map_len=64,
+        max_ext_len=0,
+    )
+    try:
+        unpacker.feed(bytes(data))
+        envelope = unpacker.unpack()
+    except msgpack.OutOfData:
+        raise ProtocolError("truncated message (msgpack ran out of data)") from None
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+    try:
+        unpacker.unpack()
+    except msgpack.OutOfData:
+        pass
+    except Exception:
+        raise ProtocolError("trailing bytes after the message") from None
+    else:
+        raise ProtocolError("trailing bytes after the message")
+    if not isinstance(envelope, list) or len(envelope) != 3:
+        raise ProtocolError("envelope must be a 3-element array [version, type, body]")
+    version, type_name, body = envelope
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProtocolError(f"protocol version must be an integer, got {type(version).__name__}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version} (this engine speaks {PROTOCOL_VERSION})"
+        )
+    if not isinstance(type_name, str):
+        raise ProtocolError("message type must be a string")
+    cls = MESSAGE_TYPES.get(type_name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name[:64]!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{type_name} body must be a map")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unexpected = [k for k in body if k not in fields]
+    if unexpected:
+        raise ProtocolError(f"{type_name}: unexpected field {str(unexpected[0])[:64]!r}")
+    values = {}
+    for name, f in fields.items():
+        if name not in body:
+            raise ProtocolError(f"{type_name}: missing field {name!r}")
+        kind: Kind = f.metadata["kind"]
+        try:
+            values[name] = kind.check(body[name])
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{type_name}.{name}: {exc}") from None
+    return cls(**values)
+
+
+def schema() -> dict[str, Any]:
+    """Machine-readable schema of every message (written to ``protocol/schema.json``)."""
+    out: dict[str, Any] = {
+        "protocol_version": PROTOCOL_VERSION,
+        "envelope": "msgpack array [version: uint, type: str, body: map]",
+        "max_message_bytes": MAX_MESSAGE_BYTES,
+        "messages": {},
+    }
+    for name, cls in MESSAGE_TYPES.items():
+        fields = []
+        for f in dataclasses.fields(cls):
+            kind: Kind = f.metadata["kind"]
+            entry = {"name": f.name, "type": kind.name, "doc": f.metadata["doc"]}
+            if isinstance(kind, _UInt) and kind.maximum != U64:
+                entry["max"] = kind.maximum
+            if isinstance(kind, (_Str, _Bytes)):
+                entry["max_len"] = kind.max_len
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+                entry["default"] = default.hex() if isinstance(default, bytes) else default
+            fields.append(entry)
+        out["messages"][name] = {"doc": cls.DOC, "fields": fields}
+    return out

@@ -161,15 +161,18 @@ class Receiver:
                 raise DuplicateRequest(
                     f"already active in state {live.state.value}", rid=rid, generation=live.gen
                 )
+            req = ReceiveRequest(rid=rid, tokens=int(tokens), peer=peer or "", fsm=Lifecycle("receiver", rid))
+            rejection = self._admission_problem(req, None)
+            if rejection is not None:
+                raise self._reject(req, *rejection, tell_peer=peer is not None)
             peer_name = peer if peer is not None else self.default_peer()
+            req.peer = peer_name
             info = self.peers.get(peer_name)
             if info is None or not info.ready or info.conn is None:
                 raise PeerError(f"peer {peer_name!r} is not connected", rid=rid)
-            req = ReceiveRequest(rid=rid, tokens=int(tokens), peer=peer_name, fsm=Lifecycle("receiver", rid))
             rejection = self._admission_problem(req, info)
             if rejection is not None:
-                reason, text = rejection
-                raise self._reject(req, reason, text, tell_peer=True)
+                raise self._reject(req, *rejection, tell_peer=True)
             needed = self.layout.pages_for_tokens(req.tokens)
             if pages is None and needed > self.ledger.free_count:
                 raise PoolExhausted(
@@ -208,20 +211,25 @@ class Receiver:
             )
             return req
 
-    def _admission_problem(self, req: ReceiveRequest, info: PeerInfo) -> tuple[str, str] | None:
+    def _admission_problem(self, req: ReceiveRequest, info: PeerInfo | None) -> tuple[str, str] | None:
+        """Why the request can never be served (local limits, or with ``info`` the writer's), or None."""
         tokens = req.tokens
-        if tokens <= 0:
-            return "empty", f"prompt of {tokens} tokens"
+        if info is None:
+            if tokens <= 0:
+                return "empty", f"prompt of {tokens} tokens"
+            if self.unsafe_legacy:
+                return None
+            if tokens > self.max_context:
+                return "exceeds_context", f"prompt of {tokens:,} tokens exceeds the context of {self.max_context:,}"
+            pool_tokens = self.layout.pool_tokens
+            if tokens > pool_tokens:
+                return (
+                    "exceeds_pool",
+                    f"prompt of {tokens:,} tokens can never fit this decode pool of {pool_tokens:,} tokens",
+                )
+            return None
         if self.unsafe_legacy:
             return None
-        if tokens > self.max_context:
-            return "exceeds_context", f"prompt of {tokens:,} tokens exceeds the context of {self.max_context:,}"
-        pool_tokens = self.layout.pool_tokens
-        if tokens > pool_tokens:
-            return (
-                "exceeds_pool",
-                f"prompt of {tokens:,} tokens can never fit this decode pool of {pool_tokens:,} tokens",
-            )
         if info.max_context and tokens > info.max_context:
             return (
                 "exceeds_peer_context",
@@ -243,7 +251,7 @@ class Receiver:
         self.stats[f"rejected_{reason}"] += 1
         self._remember(req)
         log.info("rejected at admission: %s", req.error)
-        if tell_peer:
+        if tell_peer and req.peer in self.peers:
             self._send(req.peer, m.Reject(rid=req.rid, gen=req.gen, reason=reason, detail=text))
         self.changed.notify_all()
         return req.error

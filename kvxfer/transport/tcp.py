@@ -31,6 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .. import native
 from ..errors import ProtocolError, TransportError, WriteRefused
 from ..layout import KVLayout
 from ..runs import WriteBatch
@@ -128,6 +131,7 @@ class TcpReceiver:
         self._on_ordered = on_ordered
         self._on_closed = on_closed
         self._dst = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         self._listener = socket.create_server((host, port), backlog=64)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -221,10 +225,14 @@ class TcpReceiver:
                 recv_exact(sock, scratch[:chunk])
                 remaining -= chunk
             return
-        for buffer, offset, length in zip(
-            runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
-        ):
-            recv_exact(sock, self._dst[buffer][offset : offset + length])
+        if native.lib is not None:
+            addresses = self._dst_base[runs["buffer"]] + runs["offset"]
+            native.lib.recv_runs(sock.fileno(), addresses.tobytes(), runs["length"].astype(np.uint64).tobytes())
+        else:
+            for buffer, offset, length in zip(
+                runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
+            ):
+                recv_exact(sock, self._dst[buffer][offset : offset + length])
         self.guard.record(window, runs, counts)
 
     def _finish(self, inbound: _Inbound, reason: str) -> None:
@@ -332,6 +340,7 @@ class TcpLink:
         self._on_closed = on_closed
         self.faults = faults
         self._src = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         host, port = parse_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -435,6 +444,12 @@ class TcpLink:
         buffers = batch.buffers[start:end]
         header = f.write_header(batch.slot, batch.gen, end - start, size)
         runs = f.pack_runs(buffers, batch.dst_offsets[start:end], batch.lengths[start:end])
+        if self.faults is None and native.lib is not None:
+            addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
+            native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(),
+                                 batch.lengths[start:end].astype(np.uint64).tobytes())
+            self.bytes_sent += size
+            return
         payload: list[Any] = [
             self._src[b][o : o + n]
             for b, o, n in zip(buffers.tolist(), batch.src_offsets[start:end].tolist(),

@@ -1,0 +1,21 @@
+"""The README's commands and example are real: the example runs, .ci/run calls the test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_starts_with_the_two_commands_and_ci_runs_the_second():
+    block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
+    assert len(block) == 2
+    assert "kvxfer demo" in block[0]
+    assert block[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_python_example_runs():
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})

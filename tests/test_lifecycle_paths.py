@@ -429,3 +429,59 @@ def test_duplicate_writes_are_harmless(engines):
     assert pair.decode.wait("dup").state is R.READABLE
     pair.expect_content("dup", src)
     pair.faults.config.duplicate_rate = 0.0
+
+
+def test_many_requests_in_flight_on_one_connection(engines):
+    pair = engines(prefill_pages=64, decode_pages=128)
+    rids = [f"m{i}" for i in range(6)]
+    sources = {}
+    for i, rid in enumerate(rids):
+        pair.prefill.admit(rid, 10 * PAGE_TOKENS)
+        pair.decode.admit(rid, 10 * PAGE_TOKENS, peer=pair.peer)
+    for i, rid in enumerate(rids):
+        pair.prefill.wait_ready(rid)
+        sources[rid] = pair.prefill.source_pages(rid)
+        fill_random(pair.prefill.layout, sources[rid], 100 + i)
+    for _ in range(5):  # interleave chunks of every request on the one connection
+        for rid in rids:
+            pair.prefill.send(rid, count=2)
+    for rid in rids:
+        assert pair.decode.wait(rid).state is R.READABLE
+        pair.expect_content(rid, sources[rid])
+        pair.decode.release(rid)
+
+
+def test_poison_policy_names_unwritten_pages_at_completion(engines):
+    pair = engines(decode_config={"free_policy": "poison"})
+    pair.prefill.admit("pz", 4 * PAGE_TOKENS)
+    dreq = pair.decode.admit("pz", 4 * PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("pz")
+    pair.prefill.send("pz", count=1)
+    done = m.Done(rid="pz", gen=dreq.gen, bytes=pair.decode.layout.bytes_for_pages(4), pages=4,
+                  checksum=0, algo="adler32")
+    pair.link.post_ordered(done, slot=dreq.slot, gen=dreq.gen)
+    req = pair.decode.wait("pz")
+    assert req.state is R.FAILED
+    assert "poison: 3 pages still hold the poison pattern" in str(req.error)
+    pair.prefill.abort("pz")
+
+
+def test_caller_chosen_pages_are_checked(engines):
+    pair = engines()
+    from kvxfer.errors import PageStateError
+
+    with pytest.raises(PageStateError, match="out of range"):
+        pair.decode.admit("ext", 2 * PAGE_TOKENS, peer=pair.peer, pages=[3, 500])
+    with pytest.raises(AdmissionRejected, match="3 pages given"):
+        pair.decode.admit("ext", 2 * PAGE_TOKENS, peer=pair.peer, pages=[3, 4, 5])
+    req = pair.decode.admit("ext", 2 * PAGE_TOKENS, peer=pair.peer, pages=[7, 3])
+    assert req.pages.tolist() == [7, 3]
+    with pytest.raises(PageStateError, match="not free"):
+        pair.decode.admit("ext2", PAGE_TOKENS, peer=pair.peer, pages=[7])
+    pair.decode.abort("ext")
+    assert pair.decode.wait("ext").state is R.ABORTED
+    # the prefill never admitted "ext"; the aborted generation's META must not bind later
+    pair.prefill.admit("ext", 2 * PAGE_TOKENS)
+    time.sleep(0.1)
+    assert pair.prefill.status("ext").state is S.ADMITTED
+    pair.prefill.abort("ext")

@@ -13,6 +13,26 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose)
 
 
+def _stress(args: argparse.Namespace) -> int:
+    from .stress import ALL_FAULTS, StressConfig, run_stress
+
+    faults = {name: args.all_faults for name in ALL_FAULTS} if args.all_faults else {}
+    for item in args.fault or []:
+        name, _, rate = item.partition("=")
+        faults[name.replace("-", "_")] = float(rate)
+    config = StressConfig(
+        transport=args.transport,
+        requests=args.requests if args.requests is not None or args.duration is not None else 200,
+        duration=args.duration, concurrency=args.concurrency,
+        median_tokens=args.median_tokens, sigma=args.sigma, page_size=args.page_size, layers=args.layers,
+        item_len=args.item_len, prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
+        context=args.context, alloc_policy=args.alloc_policy, free_policy=args.free_policy, seed=args.seed,
+        max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
+    )
+    return run_stress(config, json_path=args.json, report_path=args.report,
+                      progress=False if args.no_progress else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvxfer",
@@ -27,7 +47,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", default="tcp", choices=["tcp"], help="data transport (default tcp)")
     demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
     demo.set_defaults(func=_demo)
+
+    stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
+    stress.add_argument("--transport", default="tcp", choices=["tcp"])
+    stress.add_argument("--requests", type=int, default=None, help="requests to run (default 200 without --duration)")
+    stress.add_argument("--duration", type=float, default=None, help="stop starting requests after S seconds")
+    stress.add_argument("--concurrency", type=int, default=16)
+    stress.add_argument("--median-tokens", type=int, default=1500, help="median of the log-normal prompt length")
+    stress.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the prompt length")
+    stress.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    stress.add_argument("--layers", type=int, default=2, help="layers (two buffers each: K and V)")
+    stress.add_argument("--item-len", type=int, default=1024, help="bytes per page per buffer")
+    stress.add_argument("--prefill-pages", type=int, default=2048)
+    stress.add_argument("--decode-pages", type=int, default=8192)
+    stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")
+    stress.add_argument("--alloc-policy", default="lifo", choices=["lifo", "fifo", "random"])
+    stress.add_argument("--free-policy", default="keep", choices=["keep", "zero", "poison"])
+    stress.add_argument("--max-chunks", type=int, default=4, help="chunks per request, chosen 1..N")
+    stress.add_argument("--seed", type=int, default=0)
+    stress.add_argument("--all-faults", type=float, default=0.0, metavar="RATE",
+                        help="enable every fault type at RATE (0..1)")
+    stress.add_argument("--fault", action="append", metavar="NAME=RATE",
+                        help="set one fault's rate; names: " + ", ".join(_fault_names()))
+    stress.add_argument("--unsafe-legacy", action="store_true",
+                        help="negative control: the incident's behaviour (no rejection, no verification, "
+                        "immediate free); the oracle must report leaks")
+    stress.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    stress.add_argument("--report", metavar="PATH.png", help="draw throughput over time and latencies")
+    stress.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    stress.set_defaults(func=_stress)
     return parser
+
+
+def _fault_names() -> list[str]:
+    from .stress.workload import ALL_FAULTS
+
+    return list(ALL_FAULTS)
 
 
 def _version() -> str:

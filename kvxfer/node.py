@@ -106,6 +106,23 @@ class _Node:
         req = self.engine.status(rid)
         return _describe(req)
 
+    def rpc_statuses(self, rids: list[Any]) -> dict[str, Any]:
+        """Many statuses in one call (the stress driver polls with this); unknown ids are omitted.
+
+        Keys are ``repr(rid)`` so int and str ids stay distinct across msgpack."""
+        out = {}
+        with self.engine.lock:
+            for rid in rids:
+                try:
+                    req = self.engine.status(rid)
+                except KvxferError:
+                    continue
+                described = _describe(req)
+                if self.spec.role == "prefill":
+                    described["settled"] = self.engine.sender.settled(req)
+                out[repr(rid)] = described
+        return out
+
     def rpc_abort(self, rid: Any, reason: str = "aborted by caller") -> dict[str, Any]:
         return _describe(self.engine.abort(rid, reason))
 

@@ -435,7 +435,7 @@ def test_many_requests_in_flight_on_one_connection(engines):
     pair = engines(prefill_pages=64, decode_pages=128)
     rids = [f"m{i}" for i in range(6)]
     sources = {}
-    for i, rid in enumerate(rids):
+    for rid in rids:
         pair.prefill.admit(rid, 10 * PAGE_TOKENS)
         pair.decode.admit(rid, 10 * PAGE_TOKENS, peer=pair.peer)
     for i, rid in enumerate(rids):

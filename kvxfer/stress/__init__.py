@@ -1,0 +1,61 @@
+"""``kvxfer stress``: a transfer stress and chaos tool with a leak oracle.
+
+Drives prefill and decode engines in separate processes with a bounded workload and every fault
+the design names, and judges the run by the bytes the decode side reads (see :mod:`.driver`).
+``--unsafe-legacy`` switches off admission rejection, completion verification and deferred
+release, reproducing the incident's behaviour, as a negative control for the oracle.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from typing import Any
+
+from .driver import StressDriver, StressResult
+from .workload import ALL_FAULTS, StressConfig
+
+__all__ = ["ALL_FAULTS", "StressConfig", "StressDriver", "StressResult", "run_stress"]
+
+
+def run_stress(config: StressConfig, *, json_path: str | None = None, report_path: str | None = None,
+               progress: bool | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .report import summary_table, write_json, write_png
+
+    console = Console()
+    show = sys.stdout.isatty() if progress is None else progress
+    total = config.requests
+    bar: Any = None
+    task = None
+    if show:
+        bar = Progress(TextColumn("[bold]stress[/bold]"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
+        task = bar.add_task("stress", total=total, status="")
+        bar.start()
+
+    def on_progress(result: StressResult, in_flight: int) -> None:
+        if bar is None:
+            return
+        done = sum(result.outcomes.values())
+        status = (f"live {in_flight} leak {result.leaked_pages} corrupt {result.corrupted_pages} "
+                  f"fail {result.outcomes['failed']}")
+        bar.update(task, completed=done, status=status)
+
+    with tempfile.TemporaryFile("w+") as node_log:
+        driver = StressDriver(config, on_progress=on_progress, node_log=node_log)
+        try:
+            result = driver.run()
+        finally:
+            if bar is not None:
+                bar.stop()
+    console.print(summary_table(result))
+    if json_path:
+        write_json(result, json_path)
+    if report_path:
+        write_png(result, report_path)
+    verdict = "no leaked, corrupted or lost pages" if result.ok else "FAILED: see the red rows"
+    console.print(f"[{'green' if result.ok else 'red'}]{verdict}[/]")
+    return 0 if result.ok else 1

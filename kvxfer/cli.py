@@ -10,7 +10,8 @@ import sys
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose)
+    return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose,
+                    verbs={"ib_device": args.ib_device, "gid_index": args.gid_index})
 
 
 def _stress(args: argparse.Namespace) -> int:
@@ -28,6 +29,7 @@ def _stress(args: argparse.Namespace) -> int:
         item_len=args.item_len, prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         context=args.context, alloc_policy=args.alloc_policy, free_policy=args.free_policy, seed=args.seed,
         max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
+        ib_device=args.ib_device, gid_index=args.gid_index,
     )
     return run_stress(config, json_path=args.json, report_path=args.report,
                       progress=False if args.no_progress else None)
@@ -44,12 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the scripted prefill/decode session on loopback (the main job)")
     demo.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
-    demo.add_argument("--transport", default="tcp", choices=["tcp"], help="data transport (default tcp)")
+    demo.add_argument("--transport", default="tcp", choices=["tcp", "verbs"], help="data transport (default tcp)")
+    _verbs_flags(demo)
     demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
     demo.set_defaults(func=_demo)
 
     stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
-    stress.add_argument("--transport", default="tcp", choices=["tcp"])
+    stress.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
+    _verbs_flags(stress)
     stress.add_argument("--requests", type=int, default=None, help="requests to run (default 200 without --duration)")
     stress.add_argument("--duration", type=float, default=None, help="stop starting requests after S seconds")
     stress.add_argument("--concurrency", type=int, default=16)
@@ -77,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--no-progress", action="store_true", help="no live progress bar")
     stress.set_defaults(func=_stress)
     return parser
+
+
+def _verbs_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ib-device", default=None, help="verbs: RDMA device (default: first with an active port)")
+    parser.add_argument("--gid-index", type=int, default=None,
+                        help="verbs: GID index (default: first RoCE v2 IPv4-mapped GID)")
 
 
 def _fault_names() -> list[str]:

@@ -48,8 +48,9 @@ class Outcome:
 
 
 class Demo:
-    def __init__(self, *, transport: str = "tcp", verbose: bool = False) -> None:
+    def __init__(self, *, transport: str = "tcp", verbose: bool = False, verbs: dict[str, Any] | None = None) -> None:
         self.transport = transport
+        self.verbs = {k: v for k, v in (verbs or {}).items() if v is not None}
         self.verbose = verbose
         self.outcomes: list[Outcome] = []
         self._logs = tempfile.TemporaryDirectory(prefix="kvxfer-demo-")
@@ -58,7 +59,9 @@ class Demo:
         self.peer = ""
 
     def _spec(self, role: str, pages: int, **config: Any) -> NodeSpec:
-        base = {"max_context": CONTEXT, "transport": self.transport, "drain_timeout": 10.0}
+        base: dict[str, Any] = {"max_context": CONTEXT, "transport": self.transport, "drain_timeout": 10.0}
+        if self.transport == "verbs":
+            base.update(self.verbs, drain_timeout=3.0, peer_timeout=60.0)
         base.update(config)
         return NodeSpec(role=role, num_buffers=BUFFERS, item_len=ITEM, num_pages=pages, page_size=PAGE_TOKENS,
                         config=base, faults={} if role == "prefill" else None,
@@ -172,6 +175,8 @@ class Demo:
         return final["error"].split(": transfer not verified: ")[-1]
 
     def step_late_write(self) -> str:
+        if self.transport == "verbs":
+            return self._late_write_verbs()
         assert self.prefill is not None and self.decode is not None
         self.prefill.fault(op="capture_next")
         self._transfer("old", 200, seed=4)
@@ -192,6 +197,40 @@ class Demo:
         assert report["ok"] == report["pages"], report
         return f"late write of 'old' refused as a stale tag; 'new' ({report['pages']} pages, same pool) intact"
 
+    def _late_write_verbs(self) -> str:
+        """Over RDMA a region's rkey admits any write, so the guarantee is the fence: a writer that never
+        proves its drain gets its queue pair moved to ERR before the pages are reused."""
+        assert self.prefill is not None and self.decode is not None
+        self.prefill.fault(op="configure", ignore_aborts=True, keep_fenced_links=True)
+        self._transfer("old", 200, seed=4, count=2)
+        self.decode.abort(rid="old", reason="client disconnected")
+        final = self.decode.wait(rid="old", timeout=60)
+        assert final["state"] == "ABORTED", final
+        fences = self.decode.stats()["engine_counters"].get("fences", 0)
+        assert fences >= 1, "no fence"
+        self.prefill.fault(op="configure", ignore_aborts=False)
+        self.prefill.wait(rid="old", timeout=60)
+        self.prefill.admit(rid="new", tokens=200)
+        deadline = time.monotonic() + 60
+        while True:  # the decode offers a fresh queue pair after the fence; wait until it is connected
+            try:
+                self.decode.admit(rid="new", tokens=200, peer=self.peer)
+                break
+            except KvxferError as exc:
+                if time.monotonic() > deadline or "not connected" not in str(exc):
+                    raise
+                time.sleep(0.2)
+        self.prefill.prepare(rid="new", seed=5)
+        self.prefill.send(rid="new")
+        assert self.decode.wait(rid="new", timeout=60)["state"] == "READABLE"
+        new_pages = self.decode.pages(rid="new")
+        late = self.prefill.fault(op="write_via_stale_link", pages=new_pages)
+        assert late["failed"], f"the late write completed on the wire: {late}"
+        report = self.decode.read_check(rid="new", seed=5)
+        assert report["ok"] == report["pages"], report
+        return (f"writer ignored the abort; decode fenced its queue pair after the drain timeout; a late write "
+                f"on it never completed and flushed with status {late['statuses']}; 'new' ({report['pages']} pages) intact")
+
     def step_accounting(self) -> str:
         assert self.prefill is not None and self.decode is not None
         for node, total in ((self.decode, DECODE_PAGES), (self.prefill, PREFILL_PAGES)):
@@ -207,7 +246,7 @@ class Demo:
             ("unsafe band", "prompt larger than the prefill pool rejected on both sides", self.step_unsafe_band),
             ("abort", "aborted pages quarantined until drained, then freed", self.step_abort_quarantine),
             ("corruption", "flipped byte caught by the checksum", self.step_corruption),
-            ("late write", "write replayed after abort refused, reused pages intact", self.step_late_write),
+            ("late write", "late write after abort lands nowhere, reused pages intact", self.step_late_write),
             ("accounting", "every page accounted for at the end", self.step_accounting),
         ]
         try:
@@ -229,7 +268,8 @@ class Demo:
         return "\n".join(out)
 
 
-def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: bool = False) -> int:
+def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: bool = False,
+             verbs: dict[str, Any] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -237,7 +277,7 @@ def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: b
     console.print(f"[bold]kvxfer demo[/bold]: prefill and decode engines in two processes, {transport} transport, "
                   f"pools of {PREFILL_PAGES * PAGE_TOKENS:,} and {DECODE_PAGES * PAGE_TOKENS:,} tokens, "
                   f"advertised context {CONTEXT:,}")
-    demo = Demo(transport=transport, verbose=verbose)
+    demo = Demo(transport=transport, verbose=verbose, verbs=verbs)
     started = time.monotonic()
     outcomes = demo.run()
     table = Table(show_lines=False)

@@ -50,7 +50,8 @@ from .wire import messages as m
 
 log = logging.getLogger("kvxfer.engine")
 
-TRANSPORTS = ("tcp",)
+TRANSPORTS = ("tcp", "verbs")
+ORDERED_MESSAGES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 
 
 @dataclass
@@ -75,7 +76,16 @@ class EngineConfig:
     seed: int | None = None
     engine_id: str | None = None
     unsafe_legacy: bool = False
+    ib_device: str | None = None
+    ib_port: int = 1
+    gid_index: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def verbs_options(self) -> Any:
+        from .transport.verbs import VerbsOptions
+
+        return VerbsOptions.from_config({"ib_device": self.ib_device, "ib_port": self.ib_port,
+                                         "gid_index": self.gid_index})
 
     def validate(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -268,19 +278,29 @@ class DecodeEngine(_Engine):
             unsafe_legacy=config.unsafe_legacy,
         )
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
+        self.transport: Any
         try:
-            self.transport = TcpReceiver(
-                layout,
-                self.receiver.guard,
-                host=config.host,
-                port=config.data_port,
-                on_connect=self._on_data_connect,
-                on_ordered=self.receiver.on_ordered,
-                on_closed=self._on_data_closed,
-            )
+            if config.transport == "verbs":
+                from .transport.verbs import VerbsReceiver
+
+                self.transport = VerbsReceiver(layout, self.receiver.guard, config.verbs_options(),
+                                               on_closed=self._on_data_closed)
+            else:
+                self.transport = TcpReceiver(
+                    layout,
+                    self.receiver.guard,
+                    host=config.host,
+                    port=config.data_port,
+                    on_connect=self._on_data_connect,
+                    on_ordered=self.receiver.on_ordered,
+                    on_closed=self._on_data_closed,
+                )
         except OSError as exc:
             self.control.close()
             raise TransportError(f"cannot listen for data on {config.host}:{config.data_port}: {exc}") from exc
+        except Exception:
+            self.control.close()
+            raise
         self.data_address = self.transport.address
         self._start()
 
@@ -324,6 +344,18 @@ class DecodeEngine(_Engine):
             raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
         if isinstance(msg, m.Heartbeat):
             return
+        if self.config.transport == "verbs":
+            if isinstance(msg, m.VerbsConnect):
+                self._on_verbs_connect(identity, msg)
+                return
+            if isinstance(msg, ORDERED_MESSAGES):
+                # The writer sent it only after every work request before it completed (drain proof).
+                conn = self.receiver.peers[identity].conn
+                if conn is None:
+                    raise PeerError(f"{msg.TYPE} from {identity!r}, which has no queue pair connected")
+                self.transport.sync(conn, msg.gen if isinstance(msg, m.Done) else None)
+                self.receiver.on_ordered(conn, msg)
+                return
         if isinstance(msg, m.Error):
             self.counters["peer_errors"] += 1
             log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
@@ -370,6 +402,36 @@ class DecodeEngine(_Engine):
             self.receiver.changed.notify_all()
         if refused_conn is not None:
             self.transport.fence(refused_conn)
+        if self.config.transport == "verbs" and entry.get("peer") == identity:
+            self._offer_verbs(identity, msg.session, 1)
+
+    def _offer_verbs(self, identity: str, session: bytes, epoch: int) -> None:
+        """Create a queue pair for the writer under ``epoch`` and tell it (VERBS_INFO)."""
+        try:
+            offer = self.transport.open_peer(identity, session, epoch)
+        except Exception as exc:
+            log.error("%s: cannot create a queue pair for %s: %s", self.engine_id, identity, exc)
+            with self.lock:
+                entry = next((e for e in self._pending_hello.values() if e.get("peer") == identity), None)
+                if entry is not None:
+                    entry["error"] = f"cannot create a queue pair: {exc}"
+                self.receiver.changed.notify_all()
+            return
+        self._send_to_peer(identity, offer)
+
+    def _on_verbs_connect(self, identity: str, msg: m.VerbsConnect) -> None:
+        with self.lock:
+            info = self.receiver.peers[identity]
+            if msg.engine != identity or not secrets.compare_digest(info.session, msg.session):
+                raise PeerError(f"VERBS_CONNECT from {identity!r} with a wrong session")
+            if msg.epoch <= info.epoch:
+                raise PeerError(f"VERBS_CONNECT epoch {msg.epoch} is not after {info.epoch}")
+        conn = self.transport.connect_peer(msg)
+        with self.lock:
+            info.epoch = msg.epoch
+            info.conn = conn
+            info.ready = True
+            self.receiver.changed.notify_all()
 
     def _on_data_connect(self, msg: m.Connect) -> Any:
         with self.lock:
@@ -413,6 +475,9 @@ class DecodeEngine(_Engine):
             self.receiver.on_connection_closed(conn, f"fenced: {reason}")
             peer, epoch = conn
             self._send_to_peer(peer, m.Fenced(epoch=epoch, reason=reason[:4000]))
+            info = self.receiver.peers.get(peer)
+            if self.config.transport == "verbs" and info is not None and not self._closed:
+                self._offer_verbs(peer, info.session, epoch + 1)
         return closed
 
     def _tick(self) -> None:
@@ -541,6 +606,15 @@ class PrefillEngine(_Engine):
             unsafe_legacy=config.unsafe_legacy,
         )
         self.peers: dict[str, _Peer] = {}
+        self.verbs_device: Any = None
+        if config.transport == "verbs":
+            from .transport.verbs import VerbsDevice
+
+            try:
+                self.verbs_device = VerbsDevice(config.verbs_options(), layout, remote_write=False)
+            except Exception:
+                self.control.close()
+                raise
         self._start()
 
     # peering ---------------------------------------------------------------------------------------
@@ -551,9 +625,14 @@ class PrefillEngine(_Engine):
         peer = self.peers.get(identity)
         if peer is None:
             raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
-        if isinstance(msg, m.Meta):
+        if isinstance(msg, m.VerbsInfo):
+            self._open_verbs_link(peer, msg)
+        elif isinstance(msg, m.Meta):
             self.sender.on_meta(identity, msg)
         elif isinstance(msg, m.Abort):
+            if self.faults is not None and self.faults.config.ignore_aborts:
+                self.faults.counts["ignored_abort"] += 1
+                return
             self.sender.on_abort(identity, msg)
         elif isinstance(msg, m.Result):
             self.sender.on_result(identity, msg)
@@ -602,7 +681,35 @@ class PrefillEngine(_Engine):
             self.peers[identity] = peer
         if old is not None and old.link is not None:
             old.link.close(flush=False)
-        self._open_link(peer)
+        if self.config.transport == "tcp":
+            self._open_link(peer)
+
+    def _open_verbs_link(self, peer: _Peer, info: m.VerbsInfo) -> None:
+        """The decode offered a queue pair: connect ours to it and answer VERBS_CONNECT."""
+        from .transport.verbs import VerbsLink
+
+        if self.config.transport != "verbs":
+            raise PeerError("VERBS_INFO to an engine that does not run the verbs transport")
+        with self.lock:
+            old = peer.link
+            if old is not None and old.epoch >= info.epoch:
+                raise PeerError(f"VERBS_INFO epoch {info.epoch} is not after {old.epoch}")
+            peer.link = None
+        if old is not None:
+            self.sender.on_connection_closed(old, "replaced by a new queue pair")
+            if self.faults is not None and self.faults.config.keep_fenced_links:
+                self.faults.stale_links.append(old)
+            else:
+                old.close(flush=False)
+        link = VerbsLink(self.layout, self.verbs_device, info, engine=self.engine_id, session=peer.session,
+                         send_control=lambda msg, name=peer.engine: self._send_to_peer(name, msg),
+                         on_closed=self._on_link_closed, faults=self.faults)
+        with self.lock:
+            peer.link = link
+            peer.epoch = info.epoch
+            peer.alive = True
+            self.sender.changed.notify_all()
+        self._send_to_peer(peer.engine, link.connect_message)
 
     def _open_link(self, peer: _Peer) -> None:
         peer.epoch += 1
@@ -625,7 +732,7 @@ class PrefillEngine(_Engine):
             for peer in self.peers.values():
                 if peer.link is link:
                     peer.link = None
-                    if not self._closed:
+                    if not self._closed and self.config.transport == "tcp":
                         peer.reconnect_at = time.monotonic() + 0.05
             self.sender.on_connection_closed(link, reason)
 
@@ -637,14 +744,17 @@ class PrefillEngine(_Engine):
             if link is not None and link.epoch == msg.epoch:
                 peer.link = None
                 self.sender.on_connection_closed(link, f"fenced by decode: {msg.reason}")
+                if self.faults is not None and self.faults.config.keep_fenced_links:
+                    self.faults.stale_links.append(link)
+                    link = None
             else:
                 link = None
-            if peer.link is None:
+            if peer.link is None and self.config.transport == "tcp":
                 peer.reconnect_at = time.monotonic()
         if link is not None:
             link.close(flush=False)
 
-    def _link_for(self, peer: str) -> TcpLink | None:
+    def _link_for(self, peer: str) -> Any:
         info = self.peers.get(peer)
         return info.link if info is not None and info.link is not None and info.link.alive else None
 
@@ -687,6 +797,12 @@ class PrefillEngine(_Engine):
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=True)
+        if self.faults is not None:
+            for link in self.faults.stale_links:
+                link.close(flush=False)
+            self.faults.stale_links.clear()
+        if self.verbs_device is not None:
+            self.verbs_device.close()
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, external_pages: bool = False) -> SendRequest:

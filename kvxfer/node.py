@@ -151,9 +151,45 @@ class _Node:
                 setattr(self.faults.config, name, value)
         elif op == "counts":
             return dict(self.faults.counts)
+        elif op == "write_via_stale_link":
+            return self._write_via_stale_link(kwargs["pages"])
         else:
             raise KvxferError(f"unknown fault operation {op!r}")
         return None
+
+    def _write_via_stale_link(self, pages: list[int]) -> dict[str, Any]:
+        """Verbs: post a one-page write toward ``pages[0]`` on a fenced queue pair (a late writer)."""
+        import time as _time
+
+        from .transport import verbs
+
+        if not self.faults.stale_links:
+            raise KvxferError("no fenced link kept (configure keep_fenced_links first)")
+        link = self.faults.stale_links.pop()
+        item = int(self.layout.item_lens[0])
+        spare = self.layout.num_pages - 1  # garbage from a page the engine is not using
+        if self.engine.pool.ledger.state[spare] != 0:
+            raise KvxferError("the spare source page is in use")
+        self.layout.views()[0][spare] = 0xEE
+        endpoint = link.endpoint
+        dst = int(link._remote_addr[0]) + int(pages[0]) * item
+        src = self.layout.buffers[0].address + spare * item
+        endpoint.post_writes(1 << 40, np.array([src], dtype=np.uint64),
+                             np.array([item], dtype=np.uint64), link.device.buffer_lkey[:1],
+                             np.array([dst], dtype=np.uint64), link._remote_rkey[:1], -1)
+        def poll_for(seconds: float) -> list[int]:
+            out: list[int] = []
+            deadline = _time.monotonic() + seconds
+            while not out and _time.monotonic() < deadline:
+                out = [int(r["status"]) for r in endpoint.poll()]
+                _time.sleep(0.01)
+            return out
+
+        silent = poll_for(3.0)  # a real HCA retries and fails here; soft-RoCE stays silent
+        endpoint.to_error()  # the writer acts on the fence: whatever it still had posted flushes
+        statuses = silent + poll_for(20.0)
+        link.close(flush=False)
+        return {"statuses": statuses, "failed": bool(statuses) and verbs.WC_SUCCESS not in statuses}
 
     def rpc_shutdown(self) -> None:
         self.engine.close()
@@ -175,6 +211,9 @@ class _Node:
         if release:
             self.engine.release(rid)
         return report.to_dict()
+
+    def rpc_pages(self, rid: Any) -> list[int]:
+        return [int(p) for p in self.engine.status(rid).pages]
 
     def rpc_release(self, rid: Any) -> None:
         self.engine.release(rid)

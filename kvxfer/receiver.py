@@ -305,10 +305,13 @@ class Receiver:
                 f"DONE for a request in state {req.state.value}", rid=req.rid, generation=req.gen
             ))
             return
+        log_problem = self._record_write_log(req, msg)
         self.guard.close(req.gen)
         req.fsm.to(R.VERIFYING, "DONE received")
         claim = Claim(bytes=msg.bytes, pages=msg.pages, checksum=msg.checksum, algo=msg.algo)
         try:
+            if log_problem is not None:
+                raise log_problem
             if not self.unsafe_legacy:
                 verify_completion(
                     self.pool, self.guard, rid=req.rid, gen=req.gen, pages=req.pages,
@@ -332,6 +335,22 @@ class Receiver:
         self.stats["completed"] += 1
         self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=True, reason="", detail=""))
         self.changed.notify_all()
+
+    def _record_write_log(self, req: ReceiveRequest, msg: m.Done) -> VerificationFailed | None:
+        """Verbs: check DONE's write log against the window and record it, exactly as tcp records writes."""
+        if not msg.runs:
+            return None
+        from .errors import ProtocolError, WriteRefused
+        from .transport.verbs import parse_write_log
+
+        try:
+            runs = parse_write_log(msg.runs)
+            window, counts = self.guard.check(req.conn, req.slot, req.gen, runs)
+        except (ProtocolError, WriteRefused) as exc:
+            return VerificationFailed(f"transfer not verified: write log: {exc.detail}", check="write_log",
+                                      rid=req.rid, generation=req.gen, pages=getattr(exc, "pages", None))
+        self.guard.record(window, runs, counts)
+        return None
 
     def _on_drained(self, req: ReceiveRequest, why: str, *, ack: bool) -> None:
         if req.state is not R.QUARANTINED:

@@ -27,7 +27,14 @@ class WriteBatch:
     dst_offsets: np.ndarray
     lengths: np.ndarray
     cancelled: bool = False
+    final: bool = False  # the request's last chunk: its last write carries the tag as immediate (verbs)
     owner: Any = None
+
+    def log_bytes(self) -> bytes:
+        """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""
+        from .wire.frames import pack_runs
+
+        return pack_runs(self.buffers, self.dst_offsets, self.lengths)
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -335,10 +335,12 @@ class Sender:
             if chunk.size > remaining:
                 raise TransferFailed(f"chunk of {chunk.size} pages, only {remaining} left to send",
                                      reason="overflow", rid=rid, generation=req.gen)
+            total = len(req.pages) if req.placeholder else req.total_pages
             if chunk.size:
                 dst = req.dst_pages[req.sent : req.sent + chunk.size]
                 batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
                 batch.owner = req
+                batch.final = req.sent + chunk.size == total
                 req.posted += len(batch)
                 req.bytes_posted += batch.nbytes
                 req.batches.append(batch)
@@ -356,7 +358,7 @@ class Sender:
                     self._fail(req, TransferFailed(f"could not post writes: {exc}", reason="transport",
                                                    rid=rid, generation=req.gen))
                     return req
-            last = req.sent == (len(req.pages) if req.placeholder else req.total_pages)
+            last = req.sent == total
             if last and req.state in (S.TRANSFERRING, S.READY):
                 self._post_done(req, aux)
             return req
@@ -364,8 +366,11 @@ class Sender:
     def _post_done(self, req: SendRequest, aux: bytes) -> None:
         src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
         value = checksum_pages(self.layout, src, self.checksum)
+        write_log = b""
+        if getattr(req.link, "needs_write_log", False):
+            write_log = b"".join(batch.log_bytes() for batch in req.batches)
         done = m.Done(rid=req.rid, gen=req.gen, bytes=self.layout.bytes_for_pages(src.size),
-                      pages=int(src.size), checksum=value, algo=self.checksum.value, aux=aux)
+                      pages=int(src.size), checksum=value, algo=self.checksum.value, aux=aux, runs=write_log)
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
         req.link.post_ordered(done, slot=req.slot, gen=req.gen)

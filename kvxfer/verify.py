@@ -67,6 +67,9 @@ def verify_completion(
             )
         )
         bad_pages.extend(uncovered.tolist())
+    window = guard.window(gen)
+    if guard.requires_final and (window is None or window.final_writes == 0):
+        problems.append(("final_write", "the final write (RDMA WRITE with the request's tag as immediate) never arrived"))
     poisoned = pool.poisoned(pages)
     if poisoned.size:
         problems.append(

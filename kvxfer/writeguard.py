@@ -49,6 +49,8 @@ class Window:
     writes_landed: int = 0
     duplicate_items: int = 0
     refused: int = 0
+    final_writes: int = 0
+    final_bytes: int = 0
     first_landed: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,7 +72,9 @@ class WriteGuard:
         self.lock = lock or threading.RLock()
         self.covered = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
         self._windows: dict[int, Window] = {}
+        self._by_slot: dict[int, Window] = {}
         self.newest_generation = 0
+        self.requires_final = False  # verbs: a request's final write (with immediate) must be seen
         self.refused: Counter[str] = Counter()
         self.refused_bytes = 0
         self.landed_bytes = 0
@@ -90,6 +94,7 @@ class WriteGuard:
                 )
             self.covered[:, window.pages] = False
             self._windows[window.gen] = window
+            self._by_slot[window.slot] = window
             self.newest_generation = max(self.newest_generation, window.gen)
 
     def close(self, gen: int) -> Window | None:
@@ -102,7 +107,28 @@ class WriteGuard:
 
     def forget(self, gen: int) -> None:
         with self.lock:
-            self._windows.pop(gen, None)
+            window = self._windows.pop(gen, None)
+            if window is not None and self._by_slot.get(window.slot) is window:
+                del self._by_slot[window.slot]
+
+    def final(self, conn: Any, imm: int, nbytes: int) -> Window | None:
+        """A final write's immediate arrived (verbs). Attribute it, or count it as stale/unknown."""
+        from .tags import GEN_MASK, split_imm32
+
+        with self.lock:
+            slot, gen_low = split_imm32(imm)
+            window = self._by_slot.get(slot)
+            if window is None or not window.open or (window.gen & GEN_MASK) != gen_low or window.conn != conn:
+                reason = "stale_tag" if window is not None or gen_low else "unknown_tag"
+                self.refused[reason] += 1
+                count = self.refused[reason]
+                level = logging.WARNING if count <= _LOG_FIRST else logging.DEBUG
+                log.log(level, "final write refused (%s): immediate %#010x (slot %d, generation mod 2^16 %d) "
+                        "matches no open window on %s", reason, imm, slot, gen_low, conn)
+                return None
+            window.final_writes += 1
+            window.final_bytes += nbytes
+            return window
 
     def window(self, gen: int) -> Window | None:
         return self._windows.get(gen)

@@ -184,7 +184,11 @@ class StressDriver:
             "meta_timeout": cfg.transfer_timeout,
             "unsafe_legacy": cfg.unsafe_legacy,
             "heartbeat_interval": 0.5,
+            "ib_device": cfg.ib_device,
+            "gid_index": cfg.gid_index,
         }
+        if cfg.transport == "verbs":
+            config["peer_timeout"] = 10.0  # verbs has no EOF: a killed writer is found by its silence
         pages = cfg.prefill_pages
         if role == "prefill":
             config["allow_undersized_pool"] = cfg.prefill_tokens < cfg.max_context

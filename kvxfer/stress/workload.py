@@ -58,6 +58,8 @@ class StressConfig:
     drain_timeout: float = 2.0
     transfer_timeout: float = 30.0
     settle_timeout: float = 60.0
+    ib_device: str | None = None
+    gid_index: int | None = None
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -43,6 +43,8 @@ class FaultConfig:
     late_delay_s: float = 0.3
     slow_rate: float = 0.0
     slow_delay_s: float = 0.02
+    ignore_aborts: bool = False  # a hung writer: receivers' ABORTs go unanswered (forces a fence)
+    keep_fenced_links: bool = False  # verbs: keep a fenced queue pair to post a late write on it
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FaultConfig:
@@ -53,7 +55,7 @@ class FaultConfig:
         config = cls(**data)
         for f in fields(cls):
             value = getattr(config, f.name)
-            if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
+            if f.name.endswith("_rate") and not 0.0 <= float(value) <= 1.0:
                 raise ConfigError(f"fault {f.name}={value} outside [0, 1]")
         return config
 
@@ -77,6 +79,7 @@ class FaultInjector:
         self._capture_next = 0
         self._flip_next = 0
         self.counts: Counter[str] = Counter()
+        self.stale_links: list[Any] = []
 
     # scripted, one-shot faults (demo, tests) ----------------------------------------------------------
     def pause(self) -> None:

@@ -323,6 +323,8 @@ _TICK = object()
 class TcpLink:
     """One data connection to one receiver, with its own sending thread."""
 
+    needs_write_log = False  # the receiver records every write as it lands
+
     def __init__(
         self,
         layout: KVLayout,

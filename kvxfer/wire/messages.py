@@ -323,6 +323,47 @@ class Done(Message):
     checksum: int = _f(U32, "checksum of the source pages in canonical order")
     algo: str = _f(STR, "'adler32' or 'crc32'")
     aux: bytes = _f(_Bytes(1 << 20), "small per-request metadata delivered with completion", b"")
+    runs: bytes = _f(
+        _Bytes(MAX_MESSAGE_BYTES // 2),
+        "verbs only: the write log, every run written for gen as 24-byte <buffer u32, flags u32, offset u64, "
+        "length u64> records (the receiver cannot observe plain RDMA writes, so it checks and records "
+        "this log with the same write guard tcp uses); empty on tcp",
+        b"",
+    )
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class VerbsInfo(Message):
+    TYPE: ClassVar[str] = "VERBS_INFO"
+    DOC: ClassVar[str] = (
+        "receiver -> writer, control (verbs). The receiver created an RC queue pair for this peering "
+        "under a new epoch: connect to it and write into these buffers. Sent after HELLO_ACK and after "
+        "every fence."
+    )
+    epoch: int = _f(UINT, "connection epoch of this queue pair")
+    qpn: int = _f(_UInt(0xFFFFFF), "receiver's queue pair number")
+    psn: int = _f(_UInt(0xFFFFFF), "receiver's initial packet sequence number")
+    gid: bytes = _f(_Bytes(16), "receiver's GID (16 bytes)")
+    mtu: int = _f(_UInt(5), "path MTU enum (ibv_mtu: 1=256 ... 5=4096)")
+    addrs: list = _f(_UIntList(), "remote address of each layout buffer's page 0, in layout order")
+    rkeys: list = _f(_UIntList(), "rkey of the memory region holding each buffer, in layout order")
+
+
+@_register
+@dataclass(frozen=True, eq=False)
+class VerbsConnect(Message):
+    TYPE: ClassVar[str] = "VERBS_CONNECT"
+    DOC: ClassVar[str] = (
+        "writer -> receiver, control (verbs). The writer's queue pair for epoch, already in RTS; the "
+        "receiver moves its own to RTR/RTS towards it. The verbs analogue of the CONNECT frame."
+    )
+    engine: str = _f(STR, "writer's engine id")
+    session: bytes = _f(_Bytes(64), "the session token from the receiver's HELLO")
+    epoch: int = _f(UINT, "the epoch from VERBS_INFO")
+    qpn: int = _f(_UInt(0xFFFFFF), "writer's queue pair number")
+    psn: int = _f(_UInt(0xFFFFFF), "writer's initial packet sequence number")
+    gid: bytes = _f(_Bytes(16), "writer's GID (16 bytes)")
 
 
 @_register

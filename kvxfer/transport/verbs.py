@@ -1,0 +1,794 @@
+"""The verbs transport: one-sided RDMA WRITEs over RC queue pairs, with pyverbs.
+
+What it owns, per engine: one opened device (:class:`VerbsDevice`: context, protection domain, a
+memory region per registered memory region of the layout) and, per peering and epoch, one RC queue
+pair (:class:`Endpoint`). The receiving side (:class:`VerbsReceiver`) publishes its queue pair,
+buffer addresses and rkeys (VERBS_INFO), connects to the writer's (VERBS_CONNECT), keeps receive
+work requests posted for immediates and polls its completion queue. The writing side
+(:class:`VerbsLink`) posts each chunk as a chain of RDMA WRITEs (runs contiguous on both sides
+coalesced, every ``SIGNAL_EVERY``-th and the last signalled); a request's final write is
+RDMA_WRITE_WITH_IMM whose immediate is the request's tag (:meth:`kvxfer.tags.Tag.imm32`).
+
+Rules that make it as safe as tcp:
+
+* Ordered messages (DONE, DRAIN_ACK, REJECT, ABORT) leave through the control plane only after every
+  work request posted before them has a completion: on RC, a completion means the responder
+  acknowledged, so the data is placed. That is the drain proof.
+* The receiver cannot see plain RDMA WRITEs land, so DONE carries the write log and the receiver
+  checks and records it with the same :class:`~kvxfer.writeguard.WriteGuard` tcp uses; it also
+  requires the final write's immediate, with a matching tag, to have arrived. A completion with a
+  stale or unknown tag is counted and completes nothing.
+* Fencing moves the receiver's queue pair to the error state: a write that arrives afterwards is
+  refused on the wire and lands nowhere; then the queue pair is destroyed and a new epoch offered.
+* Memory regions are deregistered only after every queue pair that could target them is destroyed.
+
+The per-work-request loops run in C (``kvxfer._verbs``) when it is built; otherwise pure pyverbs.
+GPU memory registers through :func:`register_region` (dma-buf), which the GPU support provides.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ProtocolError, TransportError, WriteRefused
+from ..layout import KVLayout
+from ..memory import MemoryRegion
+from ..runs import WriteBatch
+from ..tags import Tag
+from ..wire import messages as m
+from ..writeguard import WriteGuard
+
+log = logging.getLogger("kvxfer.verbs")
+
+SQ_DEPTH = 1024
+RQ_DEPTH = 256
+CQ_DEPTH = 2048
+SIGNAL_EVERY = 32
+POLL_BATCH = 256
+RECORD = np.dtype([("wr_id", "<u8"), ("status", "<u4"), ("opcode", "<u4"), ("byte_len", "<u4"),
+                   ("imm", "<u4"), ("wc_flags", "<u4"), ("qp_num", "<u4")])
+WC_SUCCESS = 0
+WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
+
+
+def pyverbs_modules() -> Any:
+    """Import pyverbs lazily, with an error that says how to get it."""
+    try:
+        import pyverbs.enums as enums
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.cq import CQ
+        from pyverbs.device import Context, get_device_list
+        from pyverbs.mr import MR
+        from pyverbs.pd import PD
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+        from pyverbs.wr import SGE, RecvWR, SendWR
+    except ImportError as exc:
+        raise ConfigError(
+            "the verbs transport needs pyverbs: install Debian's python3-pyverbs; from another CPython "
+            f"3.11 add /usr/lib/python3/dist-packages to PYTHONPATH ({exc})"
+        ) from exc
+
+    class _NS:
+        pass
+
+    ns = _NS()
+    for name, value in dict(enums=enums, GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ, Context=Context,
+                            get_device_list=get_device_list, MR=MR, PD=PD, QP=QP, QPAttr=QPAttr, QPCap=QPCap,
+                            QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR, SendWR=SendWR).items():
+        setattr(ns, name, value)
+    return ns
+
+
+def native_verbs() -> Any:
+    if os.environ.get("KVXFER_PURE_PYTHON") == "1":
+        return None
+    try:
+        from .. import _verbs
+    except ImportError:
+        return None
+    return _verbs
+
+
+def available() -> tuple[bool, str]:
+    """Whether a verbs device can be opened here, and why not."""
+    try:
+        pv = pyverbs_modules()
+    except ConfigError as exc:
+        return False, str(exc)
+    try:
+        devices = pv.get_device_list()
+    except Exception as exc:  # no libibverbs providers, no /sys/class/infiniband...
+        return False, f"no RDMA devices: {exc}"
+    if not devices:
+        return False, "no RDMA devices on this machine (run inside tools/softroce/run)"
+    return True, ", ".join(d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices)
+
+
+def gid_bytes(gid: Any) -> bytes:
+    text = gid.gid if hasattr(gid, "gid") else str(gid)
+    raw = bytes.fromhex(text.replace(":", ""))
+    if len(raw) != 16:
+        raise ConfigError(f"GID {text!r} is not 16 bytes")
+    return raw
+
+
+def gid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return ":".join(h[i : i + 4] for i in range(0, 32, 4))
+
+
+@dataclass
+class VerbsOptions:
+    device: str | None = None
+    port: int = 1
+    gid_index: int | None = None
+
+    @classmethod
+    def from_config(cls, extra: dict[str, Any]) -> VerbsOptions:
+        device = extra.get("ib_device") or os.environ.get("KVXFER_RDMA_DEVICE") or None
+        gid = extra.get("gid_index")
+        if gid is None and os.environ.get("KVXFER_GID_INDEX"):
+            gid = int(os.environ["KVXFER_GID_INDEX"])
+        return cls(device=device, port=int(extra.get("ib_port", 1)), gid_index=gid)
+
+
+class VerbsDevice:
+    """An opened RDMA device with its protection domain and memory registrations."""
+
+    def __init__(self, options: VerbsOptions, layout: KVLayout, *, remote_write: bool) -> None:
+        self.pv = pyverbs_modules()
+        pv = self.pv
+        e = pv.enums
+        devices = pv.get_device_list()
+        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
+        if not names:
+            raise TransportError("no RDMA device found (the verbs transport needs one; see tools/softroce/)")
+        name = options.device or names[0]
+        if name not in names:
+            raise TransportError(f"RDMA device {name!r} not found (have {', '.join(names)})")
+        self.name = name
+        self.port = options.port
+        self.ctx = pv.Context(name=name)
+        port_attr = self.ctx.query_port(self.port)
+        if port_attr.state != e.IBV_PORT_ACTIVE:
+            self.ctx.close()
+            raise TransportError(f"{name} port {self.port} is not active (state {port_attr.state})")
+        self.mtu = int(port_attr.active_mtu)
+        self.gid_index = options.gid_index if options.gid_index is not None else self._pick_gid(port_attr)
+        self.gid = gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
+        self.pd = pv.PD(self.ctx)
+        access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+        self.mrs: dict[int, Any] = {}
+        for region in layout.regions:
+            self.mrs[id(region)] = register_region(self, region, access)
+        self.buffer_mr = [self.mrs[id(spec.region)] for spec in layout.buffers]
+        self.buffer_addr = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        self.buffer_lkey = np.array([mr.lkey for mr in self.buffer_mr], dtype=np.uint32)
+        self.buffer_rkey = np.array([mr.rkey for mr in self.buffer_mr], dtype=np.uint32)
+        self.scratch = pv.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        self._bounce: Any = None
+        self._closed = False
+
+    def bounce(self, size: int) -> Any:
+        """A registered scratch buffer of at least ``size`` bytes (fault injection only)."""
+        if self._bounce is None or self._bounce.length < size:
+            if self._bounce is not None:
+                self._bounce.close()
+            self._bounce = self.pv.MR(self.pd, max(size, 1 << 20), self.pv.enums.IBV_ACCESS_LOCAL_WRITE)
+        return self._bounce
+
+    def _pick_gid(self, port_attr: Any) -> int:
+        """The first RoCE v2 GID holding an IPv4-mapped address, else the first non-zero GID."""
+        fallback = None
+        for index in range(port_attr.gid_tbl_len):
+            try:
+                raw = gid_bytes(self.ctx.query_gid(self.port, index))
+            except Exception:
+                continue
+            if raw == bytes(16):
+                continue
+            if fallback is None:
+                fallback = index
+            if raw[:12] == bytes(10) + b"\xff\xff":
+                try:
+                    if self.ctx.query_gid_type(self.port, index) == self.pv.enums.IBV_GID_TYPE_SYSFS_ROCE_V2:
+                        return index
+                except Exception:
+                    return index
+        if fallback is None:
+            raise TransportError(f"{self.name} port {self.port} has no usable GID")
+        return fallback
+
+    def close(self) -> None:
+        """Deregister memory and close the device; every queue pair must already be destroyed."""
+        if self._closed:
+            return
+        self._closed = True
+        for mr in list(self.mrs.values()) + [self.scratch] + ([self._bounce] if self._bounce is not None else []):
+            mr.close()
+        self.mrs.clear()
+        self.pd.close()
+        self.ctx.close()
+
+
+def register_region(device: VerbsDevice, region: MemoryRegion, access: int) -> Any:
+    """Register one memory region with the device: host memory as a plain MR; GPU memory through
+    its dma-buf (provided by kvxfer's GPU support), falling back to a plain MR on the device pointer
+    when nvidia-peermem is loaded."""
+    if region.device == "cpu":
+        return device.pv.MR(device.pd, region.nbytes, access, address=region.address)
+    register = getattr(region, "register_verbs", None)
+    if register is None:
+        raise ConfigError(f"region {region.name!r} ({region.device}) cannot be registered for RDMA by this build")
+    return register(device, access)
+
+
+class Endpoint:
+    """One RC queue pair with its completion queue, from INIT to RTS, to ERR, to destroyed."""
+
+    def __init__(self, device: VerbsDevice) -> None:
+        pv = device.pv
+        e = pv.enums
+        self.device = device
+        self.cq = pv.CQ(device.ctx, CQ_DEPTH, None, None, 0)
+        cap = pv.QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=RQ_DEPTH, max_send_sge=1, max_recv_sge=1)
+        init = pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        attr = pv.QPAttr(port_num=device.port)
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        self.qp = pv.QP(device.pd, init, attr)
+        self.qpn = int(self.qp.qp_num)
+        self.psn = random.getrandbits(24)
+        self.native = native_verbs()
+        self.qp_handle = 0
+        self.cq_handle = 0
+        if self.native is not None:
+            try:
+                self.qp_handle = self.native.qp_handle(self.qp, self.qpn)
+                ctx_addr = self.native_context()
+                self.cq_handle = self.native.cq_handle(self.cq, ctx_addr)
+            except (ValueError, OverflowError) as exc:
+                log.warning("native verbs path unavailable for this pyverbs build (%s): using pyverbs", exc)
+                self.native = None
+        self.state = "init"
+        self._closed = False
+
+    def native_context(self) -> int:
+        import ctypes
+
+        # struct ibv_qp starts with its ibv_context pointer
+        return ctypes.c_void_p.from_address(self.qp_handle).value or 0
+
+    def connect(self, qpn: int, psn: int, gid: bytes) -> None:
+        pv = self.device.pv
+        attr = pv.QPAttr(port_num=self.device.port)
+        attr.qp_access_flags = pv.enums.IBV_ACCESS_LOCAL_WRITE | pv.enums.IBV_ACCESS_REMOTE_WRITE
+        attr.path_mtu = self.device.mtu
+        attr.dest_qp_num = qpn
+        attr.rq_psn = psn
+        attr.sq_psn = self.psn
+        attr.max_dest_rd_atomic = 1
+        attr.max_rd_atomic = 1
+        attr.min_rnr_timer = 12
+        attr.timeout = 14
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7
+        route = pv.GlobalRoute(dgid=pv.GID(gid_text(gid)), sgid_index=self.device.gid_index, hop_limit=64)
+        attr.ah_attr = pv.AHAttr(port_num=self.device.port, is_global=1, gr=route, dlid=0)
+        self.qp.to_rts(attr)
+        self.state = "rts"
+
+    def to_error(self) -> None:
+        """Move the QP to ERR: incoming writes are refused, outstanding work requests flush."""
+        if self.state in ("error", "closed"):
+            return
+        pv = self.device.pv
+        attr = pv.QPAttr()
+        attr.qp_state = pv.enums.IBV_QPS_ERR
+        self.qp.modify(attr, pv.enums.IBV_QP_STATE)
+        self.state = "error"
+
+    # posting and polling -----------------------------------------------------------------------
+    def post_recvs(self, wr_id: int, count: int) -> None:
+        scratch = self.device.scratch
+        if self.native is not None:
+            self.native.post_recvs(self.qp_handle, wr_id, count, scratch.buf, 64, scratch.lkey)
+            return
+        pv = self.device.pv
+        for i in range(count):
+            sge = pv.SGE(scratch.buf, 64, scratch.lkey)
+            self.qp.post_recv(pv.RecvWR(wr_id=wr_id + i, num_sge=1, sg=[sge]))
+
+    def post_writes(self, wr_id: int, local: np.ndarray, lengths: np.ndarray, lkeys: np.ndarray,
+                    remote: np.ndarray, rkeys: np.ndarray, imm: int) -> None:
+        """Post one chain; ``imm >= 0`` makes the last WRITE carry that immediate."""
+        if self.native is not None:
+            self.native.post_writes(self.qp_handle, wr_id, local.astype(np.uint64).tobytes(),
+                                    lengths.astype(np.uint64).tobytes(), lkeys.astype(np.uint32).tobytes(),
+                                    remote.astype(np.uint64).tobytes(), rkeys.astype(np.uint32).tobytes(),
+                                    SIGNAL_EVERY, imm)
+            return
+        pv = self.device.pv
+        e = pv.enums
+        wrs = []
+        n = len(local)
+        for i in range(n):
+            sge = pv.SGE(int(local[i]), int(lengths[i]), int(lkeys[i]))
+            last = i == n - 1
+            signaled = last or (i + 1) % SIGNAL_EVERY == 0
+            opcode = e.IBV_WR_RDMA_WRITE_WITH_IMM if (last and imm >= 0) else e.IBV_WR_RDMA_WRITE
+            wr = pv.SendWR(wr_id=wr_id + i, opcode=opcode, num_sge=1, sg=[sge],
+                           send_flags=e.IBV_SEND_SIGNALED if signaled else 0)
+            wr.set_wr_rdma(int(rkeys[i]), int(remote[i]))
+            if last and imm >= 0:
+                wr.imm_data = socket.htonl(imm)
+            wrs.append(wr)
+        for a, b in zip(wrs, wrs[1:]):
+            a.next_wr = b
+        self.qp.post_send(wrs[0])
+
+    def poll(self) -> np.ndarray:
+        if self.native is not None:
+            return np.frombuffer(self.native.poll(self.cq_handle, POLL_BATCH), dtype=RECORD)
+        npolled, wcs = self.cq.poll(POLL_BATCH)
+        out = np.zeros(npolled, dtype=RECORD)
+        for i, wc in enumerate(wcs[:npolled]):
+            imm = socket.ntohl(wc.imm_data) if wc.wc_flags & self.device.pv.enums.IBV_WC_WITH_IMM else 0
+            out[i] = (wc.wr_id, wc.status, wc.opcode, wc.byte_len, imm, wc.wc_flags, wc.qp_num)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.to_error()
+        except Exception:  # a QP that never left RESET
+            pass
+        self.qp.close()
+        self.cq.close()
+        self.state = "closed"
+
+
+# receiving side ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Peering:
+    engine: str
+    session: bytes
+    epoch: int
+    endpoint: Endpoint
+    conn: Any = None
+    recv_posted: int = 0
+
+
+class VerbsReceiver:
+    """The decode side: one queue pair per writer and epoch; lands nothing itself (the NIC does)."""
+
+    kind = "verbs"
+
+    def __init__(self, layout: KVLayout, guard: WriteGuard, options: VerbsOptions, *,
+                 on_closed: Callable[[Any, str], None]) -> None:
+        self.layout = layout
+        self.guard = guard
+        guard.requires_final = True
+        self.device = VerbsDevice(options, layout, remote_write=True)
+        self.address = f"verbs:{self.device.name}:{gid_text(self.device.gid)}"
+        self._on_closed = on_closed
+        self._lock = threading.Lock()
+        self._poll_mutex = threading.Lock()
+        self._peerings: dict[tuple[str, int], _Peering] = {}
+        self._by_qpn: dict[int, _Peering] = {}
+        self._closed = False
+        self.protocol_errors = 0
+        self.completion_errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name="kvxfer-verbs-recv", daemon=True)
+        self._thread.start()
+
+    def open_peer(self, engine: str, session: bytes, epoch: int) -> m.VerbsInfo:
+        """A fresh queue pair for ``engine`` under ``epoch``; the writer connects to it."""
+        endpoint = Endpoint(self.device)
+        peering = _Peering(engine, session, epoch, endpoint)
+        endpoint.post_recvs(0, RQ_DEPTH)
+        peering.recv_posted = RQ_DEPTH
+        with self._lock:
+            self._peerings[(engine, epoch)] = peering
+            self._by_qpn[endpoint.qpn] = peering
+        return m.VerbsInfo(epoch=epoch, qpn=endpoint.qpn, psn=endpoint.psn, gid=self.device.gid,
+                           mtu=self.device.mtu, addrs=[int(a) for a in self.device.buffer_addr],
+                           rkeys=[int(k) for k in self.device.buffer_rkey])
+
+    def connect_peer(self, msg: m.VerbsConnect) -> Any:
+        """Move our queue pair for (engine, epoch) to RTS towards the writer's; returns the conn id."""
+        with self._lock:
+            peering = self._peerings.get((msg.engine, msg.epoch))
+        if peering is None or peering.session != msg.session:
+            raise ProtocolError(f"VERBS_CONNECT from {msg.engine!r} epoch {msg.epoch}: no such offer")
+        if peering.conn is not None:
+            raise ProtocolError(f"VERBS_CONNECT from {msg.engine!r} epoch {msg.epoch}: already connected")
+        peering.endpoint.connect(msg.qpn, msg.psn, msg.gid)
+        peering.conn = (msg.engine, msg.epoch)
+        return peering.conn
+
+    def sync(self, conn: Any, gen: int | None = None, *, wait: float = 2.0) -> None:
+        """Process every completion already in the queue before a DONE is acted on; with ``gen``,
+        wait (bounded) until that generation's final immediate has been attributed."""
+        deadline = time.monotonic() + wait
+        while True:
+            self._poll_once()
+            window = self.guard.window(gen) if gen is not None else None
+            if window is None or not window.open or window.final_writes or time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
+
+    def _poll_once(self) -> int:
+        # One poller at a time, from polling to delivery, so that sync() returns only after the
+        # completions polled by anyone have reached the guard.
+        with self._poll_mutex:
+            return self._poll_and_deliver()
+
+    def _poll_and_deliver(self) -> int:
+        handled = 0
+        finals: list[tuple[Any, int, int]] = []
+        with self._lock:
+            for peering in list(self._peerings.values()):
+                records = peering.endpoint.poll()
+                repost = 0
+                for rec in records:
+                    handled += 1
+                    if rec["status"] != WC_SUCCESS:
+                        if peering.endpoint.state == "rts":
+                            self.completion_errors += 1
+                            log.warning("receive completion error %d on %s", int(rec["status"]), peering.conn)
+                        continue
+                    repost += 1
+                    if rec["opcode"] == WC_RECV_RDMA_WITH_IMM:
+                        finals.append((peering.conn, int(rec["imm"]), int(rec["byte_len"])))
+                if repost and peering.endpoint.state == "rts":
+                    peering.endpoint.post_recvs(peering.recv_posted, repost)
+                    peering.recv_posted += repost
+        for conn, imm, nbytes in finals:  # the guard takes the engine lock: never under ours
+            self.guard.final(conn, imm, nbytes)
+        return handled
+
+    def _poll_loop(self) -> None:
+        idle = 0.0
+        while not self._stop.is_set():
+            try:
+                handled = self._poll_once()
+            except Exception:
+                log.exception("verbs receive poller error")
+                handled = 0
+            idle = 0.0 if handled else min(0.002, idle + 0.0001)
+            if idle:
+                time.sleep(idle)
+
+    def fence(self, conn: Any) -> bool:
+        """QP to ERR (nothing more lands), flush, destroy. True if it was live."""
+        with self._lock:
+            peering = self._peerings.pop(conn, None) if conn is not None else None
+            if peering is None:
+                return False
+            self._by_qpn.pop(peering.endpoint.qpn, None)
+            peering.endpoint.to_error()
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and len(peering.endpoint.poll()):
+                pass
+            peering.endpoint.close()
+        return True
+
+    def connections(self) -> list[Any]:
+        with self._lock:
+            return [p.conn for p in self._peerings.values() if p.conn is not None]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for key in list(self._peerings):
+            conn = self._peerings[key].conn
+            if self.fence(key) and conn is not None:
+                self._on_closed(conn, "receiver closed")
+        self.device.close()
+
+
+# sending side -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Posted:
+    first: int
+    last: int
+    batch: WriteBatch | None
+    on_complete: Callable[[WriteBatch, int, int], None] | None
+
+
+class VerbsLink:
+    """The prefill side of one peering and epoch: posts writes, tracks completions, sends ordered
+    messages once everything posted before them completed."""
+
+    needs_write_log = True
+
+    def __init__(self, layout: KVLayout, device: VerbsDevice, info: m.VerbsInfo, *, engine: str, session: bytes,
+                 send_control: Callable[[m.Message], None], on_closed: Callable[[VerbsLink, str], None],
+                 faults: Any = None) -> None:
+        if len(info.addrs) != layout.num_buffers or len(info.rkeys) != layout.num_buffers:
+            raise ProtocolError(f"VERBS_INFO names {len(info.addrs)} buffers, the layout has {layout.num_buffers}")
+        self.layout = layout
+        self.device = device
+        self.epoch = info.epoch
+        self.conn_id = (engine, info.epoch)
+        self.faults = faults
+        self._send_control = send_control
+        self._on_closed = on_closed
+        self._remote_addr = np.array(info.addrs, dtype=np.uint64)
+        self._remote_rkey = np.array(info.rkeys, dtype=np.uint32)
+        self.endpoint = Endpoint(device)
+        self.endpoint.connect(info.qpn, info.psn, info.gid)
+        self.connect_message = m.VerbsConnect(engine=engine, session=session, epoch=info.epoch,
+                                              qpn=self.endpoint.qpn, psn=self.endpoint.psn, gid=device.gid)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Any] = collections.deque()
+        self._inflight: collections.deque[_Posted] = collections.deque()
+        self._ordered: collections.deque[tuple[int, m.Message]] = collections.deque()
+        self._held: collections.deque[tuple[float, Any]] = collections.deque()
+        self._next_wr = 1
+        self._completed_upto = 0
+        self._outstanding = 0
+        self._alive = True
+        self._closing = False
+        self._reported = False
+        self.bytes_sent = 0
+        self.wrs_posted = 0
+        self.post_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvxfer-verbs-send", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    # posting API (any thread) -----------------------------------------------------------------------
+    def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None:
+        self._post(("write", batch, on_complete))
+
+    def post_ordered(self, msg: m.Message, *, slot: int, gen: int) -> None:
+        self._post(("ordered", msg))
+
+    def post_raw(self, pieces: list[Any]) -> None:
+        raise TransportError("raw frames exist only on the tcp transport")
+
+    def _post(self, job: Any) -> None:
+        with self._cond:
+            if not self._alive or self._closing:
+                raise TransportError(f"verbs connection epoch {self.epoch} is closed")
+            self._queue.append(job)
+            self._cond.notify()
+
+    # the sending thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "closed"
+        try:
+            while True:
+                with self._cond:
+                    busy = self._queue or self._inflight or self._ordered or self._held
+                    if not busy and self._closing:
+                        break
+                    if not busy:
+                        self._cond.wait(0.05)
+                        continue
+                    job = self._queue.popleft() if self._queue and self._outstanding < SQ_DEPTH - 64 else None
+                if self._held:
+                    self._release_held(force=self._closing)
+                if job is not None:
+                    if self.faults is not None:
+                        self.faults.wait_if_paused()
+                    self._do(job)
+                failure = self._reap()
+                if failure:
+                    reason = failure
+                    break
+                self._flush_ordered()
+                if job is None and (self._inflight or self._ordered or self._held):
+                    time.sleep(0.0002)
+        except Exception as exc:
+            log.exception("verbs send thread failed")
+            reason = f"send thread failed: {exc}"
+        finally:
+            self._shutdown(reason)
+
+    def _do(self, job: Any) -> None:
+        if job[0] == "ordered":
+            self._ordered.append((self._next_wr - 1, job[1]))
+            return
+        _, batch, on_complete = job
+        if batch.cancelled:
+            on_complete(batch, 0, len(batch))
+            return
+        decision = self.faults.on_write(batch) if self.faults is not None else None
+        if decision is not None:
+            if decision["slow"]:
+                time.sleep(self.faults.config.slow_delay_s)
+            if decision["late"]:
+                # Delayed on the wire: still in flight for the protocol (no completion yet), and every
+                # ordered message behind it waits until it has posted and completed.
+                self._held.append((time.monotonic() + self.faults.config.late_delay_s, job))
+                return
+        self._post_batch(batch, on_complete, decision)
+
+    def _post_batch(self, batch: WriteBatch, on_complete: Any, decision: dict[str, bool] | None = None) -> None:
+        n = len(batch)
+        start = 0
+        while start < n:
+            room = SQ_DEPTH - 64 - self._outstanding
+            if room <= 0:
+                failure = self._reap()
+                if failure:
+                    raise TransportError(failure)
+                time.sleep(0.0002)
+                continue
+            end = min(n, start + room)
+            imm = Tag(batch.slot, batch.gen).imm32() if (batch.final and end == n) else -1
+            buffers = batch.buffers[start:end]
+            local = self.device.buffer_addr[buffers] + batch.src_offsets[start:end].astype(np.uint64)
+            lkeys = self.device.buffer_lkey[buffers]
+            lengths = batch.lengths[start:end]
+            remote = self._remote_addr[buffers] + batch.dst_offsets[start:end].astype(np.uint64)
+            rkeys = self._remote_rkey[buffers]
+            if decision is not None and decision["flip"] and start == 0:
+                local, lkeys = self._flipped_copy(local, lkeys, lengths)
+            first = self._next_wr
+            t0 = time.perf_counter()
+            self.endpoint.post_writes(first, local, lengths, lkeys, remote, rkeys, imm)
+            self.post_seconds += time.perf_counter() - t0
+            count = end - start
+            self._next_wr += count
+            self._outstanding += count
+            self.wrs_posted += count
+            self.bytes_sent += int(lengths.sum())
+            self._inflight.append(_Posted(first, first + count - 1, batch, on_complete))
+            if decision is not None and (decision["duplicate"] or decision["capture"]):
+                if decision["capture"]:
+                    self.faults.keep_captured(("verbs", local, lengths, lkeys, remote, rkeys))
+                if decision["duplicate"]:
+                    first = self._next_wr
+                    self.endpoint.post_writes(first, local, lengths, lkeys, remote, rkeys, -1)
+                    self._next_wr += count
+                    self._outstanding += count
+                    self._inflight.append(_Posted(first, first + count - 1, None, None))
+            start = end
+
+    def _flipped_copy(self, local: np.ndarray, lkeys: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Fault: the first run goes from a bounce copy with one bit flipped (the source stays intact)."""
+        import ctypes
+
+        size = int(lengths[0])
+        bounce = self.device.bounce(size)
+        ctypes.memmove(bounce.buf, int(local[0]), size)
+        view = (ctypes.c_uint8 * size).from_address(bounce.buf)
+        data = bytearray(view)
+        self.faults.flip(data)
+        ctypes.memmove(bounce.buf, bytes(data), size)
+        local = local.copy()
+        lkeys = lkeys.copy()
+        local[0] = bounce.buf
+        lkeys[0] = bounce.lkey
+        return local, lkeys
+
+    def _release_held(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        while self._held and (force or self._held[0][0] <= now):
+            _, job = self._held.popleft()
+            _, batch, on_complete = job
+            if batch.cancelled or not self._alive:
+                on_complete(batch, 0, len(batch))
+            else:
+                self._post_batch(batch, on_complete)
+
+    def _reap(self) -> str:
+        """Account completions; returns a failure reason when the queue pair broke."""
+        records = self.endpoint.poll()
+        failure = ""
+        for rec in records:
+            wr_id = int(rec["wr_id"])
+            ok = rec["status"] == WC_SUCCESS
+            # RC completes in order: everything up to wr_id is done (successfully, unless this one failed).
+            self._complete_upto(wr_id, failed_last=not ok)
+            if not ok and not failure:
+                failure = f"work request failed with status {int(rec['status'])}"
+        return failure
+
+    def _complete_upto(self, wr_id: int, *, failed_last: bool) -> None:
+        while self._inflight and self._inflight[0].first <= wr_id:
+            posted = self._inflight[0]
+            upto = min(wr_id, posted.last)
+            done = upto - max(posted.first, self._completed_upto + 1) + 1
+            if done > 0:
+                self._completed_upto = upto
+                self._outstanding -= done
+                failed = 1 if (failed_last and upto == wr_id) else 0
+                if posted.on_complete is not None and posted.batch is not None:
+                    posted.on_complete(posted.batch, done - failed, failed)
+            if upto == posted.last:
+                self._inflight.popleft()
+            else:
+                break
+
+    def _flush_ordered(self) -> None:
+        while self._ordered and not self._held and self._ordered[0][0] <= self._completed_upto:
+            _, msg = self._ordered.popleft()
+            self._send_control(msg)
+
+    def _shutdown(self, reason: str) -> None:
+        with self._cond:
+            self._alive = False
+            queued = list(self._queue)
+            self._queue.clear()
+        try:
+            self.endpoint.to_error()
+            deadline = time.monotonic() + 2.0
+            while self._inflight and time.monotonic() < deadline:
+                self._reap()
+        except Exception:  # pragma: no cover - device gone
+            pass
+        self.endpoint.close()  # destroyed: no work request of it can touch memory any more
+        for posted in list(self._inflight):
+            remaining = posted.last - max(posted.first, self._completed_upto + 1) + 1
+            if remaining > 0 and posted.on_complete is not None and posted.batch is not None:
+                posted.on_complete(posted.batch, 0, remaining)
+        self._inflight.clear()
+        for job in queued + [j for _, j in self._held]:
+            if job[0] == "write":
+                job[2](job[1], 0, len(job[1]))
+        self._held.clear()
+        if not self._reported:
+            self._reported = True
+            self._on_closed(self, reason)
+
+    def close(self, *, flush: bool = True) -> None:
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                if not flush:
+                    for job in self._queue:
+                        if job[0] == "write":
+                            job[1].cancelled = True
+                self._cond.notify_all()
+        if self.faults is not None:
+            self.faults.resume()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def post_rate(self) -> float:
+        """Work requests posted per second of posting time (the measured post rate)."""
+        return self.wrs_posted / self.post_seconds if self.post_seconds else 0.0
+
+
+def parse_write_log(data: bytes) -> np.ndarray:
+    """DONE's write log as a run table (same records as tcp WRITE frames)."""
+    from ..wire.frames import RUN_DTYPE, RUN_SIZE
+
+    if len(data) % RUN_SIZE:
+        raise ProtocolError(f"write log of {len(data)} bytes is not a whole number of {RUN_SIZE}-byte runs")
+    runs = np.frombuffer(data, dtype=RUN_DTYPE)
+    if (runs["flags"] != 0).any() or (runs["length"] == 0).any():
+        raise ProtocolError("write log run with flags or zero length")
+    return runs
+
+
+__all__ = ["VerbsDevice", "VerbsLink", "VerbsOptions", "VerbsReceiver", "WriteRefused", "available",
+           "parse_write_log"]

@@ -22,6 +22,7 @@ from .layout import KVLayout
 class ChecksumAlgo(str, enum.Enum):
     ADLER32 = "adler32"
     CRC32 = "crc32"
+    NONE = "none"  # benchmarks only ("checks off"): no checksum is computed or compared
 
     @classmethod
     def parse(cls, value: str | ChecksumAlgo) -> ChecksumAlgo:
@@ -55,6 +56,8 @@ def page_runs(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def checksum_pages(layout: KVLayout, pages: np.ndarray, algo: ChecksumAlgo | str) -> int:
     """Checksum of ``pages`` of ``layout`` in canonical order (host layouts)."""
     algo = ChecksumAlgo.parse(algo)
+    if algo is ChecksumAlgo.NONE:
+        return 0
     value = algo.initial
     starts, lengths = page_runs(pages)
     for b in range(layout.num_buffers):

@@ -80,7 +80,50 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--report", metavar="PATH.png", help="draw throughput over time and latencies")
     stress.add_argument("--no-progress", action="store_true", help="no live progress bar")
     stress.set_defaults(func=_stress)
+
+    bench = sub.add_parser("bench", help="throughput against raw sockets / ib_write_bw and the peers, as ratios")
+    bench.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
+    _verbs_flags(bench)
+    bench.add_argument("--total", help="bytes per case (default 1G on tcp, 64M on verbs); K/M/G suffixes")
+    bench.add_argument("--total-small", help="bytes for pages under 16 KiB (default: --total)")
+    bench.add_argument("--page-bytes", action="append", help="page size (repeatable; default 64K and 4K)")
+    bench.add_argument("--request-bytes", default="64M", help="bytes per request (default 64M)")
+    bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    bench.add_argument("--repeat", type=int, default=5, help="repetitions per case; the median is reported")
+    bench.add_argument("--checks", default="both", choices=["on", "off", "both"])
+    bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw")
+    bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON")
+    bench.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+
+    defaults = BenchConfig()
+    total = _size(args.total) if args.total else (defaults.total_bytes if args.transport == "tcp" else 64 << 20)
+    config = BenchConfig(
+        transport=args.transport,
+        total_bytes=total,
+        total_bytes_small_pages=_size(args.total_small) if args.total_small else None,
+        page_sizes=[_size(p) for p in args.page_bytes] if args.page_bytes else defaults.page_sizes,
+        request_bytes=_size(args.request_bytes),
+        concurrency=args.concurrency,
+        repeat=args.repeat,
+        checks=args.checks,
+        baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
+        ib_device=args.ib_device,
+        gid_index=args.gid_index,
+    )
+    return run_bench(config, json_path=args.json)
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = str(text).strip().lower().rstrip("ib")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
 
 
 def _verbs_flags(parser: argparse.ArgumentParser) -> None:

@@ -194,6 +194,46 @@ class _Node:
     def rpc_shutdown(self) -> None:
         self.engine.close()
 
+    # benchmark -----------------------------------------------------------------------------------
+    def rpc_bench_start(self, requests: list[list[Any]], concurrency: int, peer: str | None = None) -> None:
+        """Start this node's half of a benchmark in the background (see kvxfer.bench.loops)."""
+        import threading
+
+        from .bench import loops
+
+        plan = [(str(rid), int(tokens)) for rid, tokens in requests]
+        self._bench_result: dict[str, Any] | None = None
+
+        def run() -> None:
+            try:
+                if self.spec.role == "decode":
+                    result = loops.receive_loop(self.engine, peer or self.engine.receiver.default_peer(), plan,
+                                                concurrency)
+                else:
+                    result = loops.send_loop(self.engine, plan, concurrency)
+            except Exception as exc:  # reported to the driver
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            self._bench_result = result
+
+        self._bench_thread = threading.Thread(target=run, daemon=True)
+        self._bench_thread.start()
+
+    def rpc_bench_wait(self, timeout: float = 600.0) -> dict[str, Any] | None:
+        self._bench_thread.join(timeout)
+        return self._bench_result
+
+    def rpc_rss(self) -> dict[str, int]:
+        """Resident memory of this process and the bytes of its registered regions."""
+        import resource
+
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import mmap as _mmap
+
+        regions = sum(r.nbytes for r in self.layout.regions)
+        return {"rss": pages * _mmap.PAGESIZE, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "regions": regions}
+
     # decode ------------------------------------------------------------------------------------
     def rpc_connect(self, address: str, timeout: float = 10.0) -> str:
         return self.engine.connect(address, timeout=timeout)

@@ -14,9 +14,12 @@ import os
 
 from setuptools import Extension, setup
 
-COMMON = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+COMMON = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"]
 
-extensions = [Extension("kvxfer._native", sources=["native/kvxfer_native.c"], extra_compile_args=COMMON, optional=True)]
+extensions = [
+    Extension("kvxfer._native", sources=["native/kvxfer_native.c"], extra_compile_args=COMMON, libraries=["dl"],
+              optional=True)
+]
 if os.path.exists("/usr/include/infiniband/verbs.h"):
     extensions.append(
         Extension("kvxfer._verbs", sources=["native/kvxfer_verbs.c"], extra_compile_args=COMMON, optional=True)

@@ -259,6 +259,36 @@ class KVRead:
         return self._engine.layout.views()[index][int(self.pages[position])]
 
 
+class _Worker:
+    """A thread running checksum passes (verification on decode, source checksums on prefill), so
+    the threads that move data never stop for them."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Any) -> None:
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:
+                log.exception("verification job failed")
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+
 class DecodeEngine(_Engine):
     """The receiving role: reserves pages, lands verified writes, gates reads."""
 
@@ -266,6 +296,7 @@ class DecodeEngine(_Engine):
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
         super().__init__(layout, config, faults=faults)
+        self._verifier = _Worker(f"kvxfer-{self.role}-verify")
         self.receiver = Receiver(
             self.pool,
             max_context=config.max_context,
@@ -276,6 +307,7 @@ class DecodeEngine(_Engine):
             send=self._send_to_peer,
             lock=self.lock,
             unsafe_legacy=config.unsafe_legacy,
+            defer=self._verifier.submit,
         )
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
         self.transport: Any
@@ -294,12 +326,15 @@ class DecodeEngine(_Engine):
                     on_connect=self._on_data_connect,
                     on_ordered=self.receiver.on_ordered,
                     on_closed=self._on_data_closed,
+                    checksum=config.checksum,
                 )
         except OSError as exc:
             self.control.close()
+            self._verifier.close()
             raise TransportError(f"cannot listen for data on {config.host}:{config.data_port}: {exc}") from exc
         except Exception:
             self.control.close()
+            self._verifier.close()
             raise
         self.data_address = self.transport.address
         self._start()
@@ -514,6 +549,7 @@ class DecodeEngine(_Engine):
 
     def _close_transport(self) -> None:
         self.transport.close()
+        self._verifier.close()
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
@@ -568,6 +604,8 @@ class DecodeEngine(_Engine):
                 "writes": self.receiver.guard.counters(),
                 "engine_counters": dict(self.counters),
                 "protocol_errors": self.transport.protocol_errors,
+                "data_path": {k: getattr(self.transport, k) for k in ("frames", "payload_seconds", "busy_seconds")
+                              if hasattr(self.transport, k)},
                 "active": len(self.receiver.active),
             }
 
@@ -595,6 +633,7 @@ class PrefillEngine(_Engine):
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
         super().__init__(layout, config, faults=faults)
+        self._checksummer = _Worker(f"kvxfer-{self.role}-checksum")
         self.sender = Sender(
             self.pool,
             max_context=config.max_context,
@@ -604,6 +643,7 @@ class PrefillEngine(_Engine):
             link_for=self._link_for,
             lock=self.lock,
             unsafe_legacy=config.unsafe_legacy,
+            defer=self._checksummer.submit,
         )
         self.peers: dict[str, _Peer] = {}
         self.verbs_device: Any = None
@@ -614,6 +654,7 @@ class PrefillEngine(_Engine):
                 self.verbs_device = VerbsDevice(config.verbs_options(), layout, remote_write=False)
             except Exception:
                 self.control.close()
+                self._checksummer.close()
                 raise
         self._start()
 
@@ -716,7 +757,7 @@ class PrefillEngine(_Engine):
         connect = m.Connect(engine=self.engine_id, session=peer.session, epoch=peer.epoch)
         try:
             link = TcpLink(self.layout, peer.data_addr, connect=connect, on_closed=self._on_link_closed,
-                           faults=self.faults)
+                           faults=self.faults, checksum=self.config.checksum)
         except TransportError as exc:
             log.warning("%s: %s", self.engine_id, exc)
             return
@@ -803,6 +844,7 @@ class PrefillEngine(_Engine):
             self.faults.stale_links.clear()
         if self.verbs_device is not None:
             self.verbs_device.close()
+        self._checksummer.close()
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, external_pages: bool = False) -> SendRequest:

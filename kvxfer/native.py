@@ -22,9 +22,21 @@ else:
         _reason = f"extension not built ({exc})"
 
 
+checksums_in_c = False
+if lib is not None:
+    try:
+        from zlib_ng import zlib_ng as _zlib_ng
+
+        checksums_in_c = bool(lib.load_zlib_ng(_zlib_ng.__file__))
+    except (ImportError, AttributeError, OSError):
+        checksums_in_c = False
+
+
 def available() -> bool:
     return lib is not None
 
 
 def describe() -> str:
-    return "native C data path" if lib is not None else f"pure-Python data path: {_reason}"
+    if lib is None:
+        return f"pure-Python data path: {_reason}"
+    return "native C data path" + (" with zlib-ng checksums in C" if checksums_in_c else "")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import ChecksumAlgo
+from .checksum import ChecksumAlgo, checksum_pages
 from .errors import (
     AdmissionRejected,
     DuplicateRequest,
@@ -86,6 +86,7 @@ class ReceiveRequest:
     conn: Any = None
     deadline: float = float("inf")
     failure: bool = False  # quarantined because of a failure, not a caller's abort
+    abort_after_verify: str | None = None  # abort() arrived while the checksum was being verified
     error: KvxferError | None = None
     aux: bytes = b""
     created: float = field(default_factory=time.monotonic)
@@ -111,6 +112,7 @@ class Receiver:
         lock: threading.RLock | None = None,
         clock: Callable[[], float] = time.monotonic,
         unsafe_legacy: bool = False,
+        defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         if not 0 < max_inflight <= MAX_SLOTS:
             raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
@@ -127,6 +129,7 @@ class Receiver:
         self._request_fence = request_fence or (lambda conn, reason: None)
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
+        self._defer = defer or (lambda fn: fn())
         self.peers: dict[str, PeerInfo] = {}
         self.active: dict[Any, ReceiveRequest] = {}
         self.by_gen: OrderedDict[int, ReceiveRequest] = OrderedDict()
@@ -309,13 +312,29 @@ class Receiver:
         self.guard.close(req.gen)
         req.fsm.to(R.VERIFYING, "DONE received")
         claim = Claim(bytes=msg.bytes, pages=msg.pages, checksum=msg.checksum, algo=msg.algo)
+        req.aux = msg.aux
+        # The window is closed and DONE came behind every write, so the pages cannot change: the
+        # checksum pass runs outside the lock, on the verifier (not the thread that lands data).
+        self._defer(lambda: self._verify(req, claim, log_problem))
+
+    def _verify(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None) -> None:
+        actual = None
+        if log_problem is None and not self.unsafe_legacy and claim.algo == self.checksum.value:
+            actual = self.guard.landed_checksum(req.pages, self.checksum)
+            if actual is None:
+                actual = checksum_pages(self.layout, req.pages, self.checksum)
+        with self.lock:
+            self._conclude(req, claim, log_problem, actual)
+
+    def _conclude(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None,
+                  actual: int | None) -> None:
         try:
             if log_problem is not None:
                 raise log_problem
             if not self.unsafe_legacy:
                 verify_completion(
                     self.pool, self.guard, rid=req.rid, gen=req.gen, pages=req.pages,
-                    claim=claim, algo=self.checksum,
+                    claim=claim, algo=self.checksum, actual_checksum=actual,
                 )
         except VerificationFailed as exc:
             self.stats["verification_failed"] += 1
@@ -326,7 +345,6 @@ class Receiver:
             self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
             self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=False, reason=exc.check, detail=str(exc)))
             return
-        req.aux = msg.aux
         if self.unsafe_legacy:
             # Legacy behaviour: readable whatever landed (the incident's decode side).
             self.ledger.state[req.pages] = PageState.WRITTEN
@@ -334,6 +352,12 @@ class Receiver:
         req.fsm.to(R.READABLE, "verified")
         self.stats["completed"] += 1
         self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=True, reason="", detail=""))
+        if req.abort_after_verify is not None:
+            reason = req.abort_after_verify
+            req.error = TransferAborted(reason, reason="aborted", rid=req.rid, generation=req.gen)
+            req.fsm.to(R.ABORTED, reason)
+            self.stats["aborted"] += 1
+            self._finish(req, release_from=(PageState.READABLE,))
         self.changed.notify_all()
 
     def _record_write_log(self, req: ReceiveRequest, msg: m.Done) -> VerificationFailed | None:
@@ -395,6 +419,10 @@ class Receiver:
         with self.lock:
             req = self._lookup(rid, generation)
             if req.fsm.terminal or req.state is R.QUARANTINED:
+                return req
+            if req.state is R.VERIFYING:
+                # DONE already proved the drain; the verifier frees the pages when it concludes.
+                req.abort_after_verify = reason
                 return req
             if req.state is R.READABLE:
                 # DONE was ordered behind every write: nothing can still land.

@@ -29,6 +29,12 @@ class WriteBatch:
     cancelled: bool = False
     final: bool = False  # the request's last chunk: its last write carries the tag as immediate (verbs)
     owner: Any = None
+    # Per-item source checksums (buffer-major, chunk page order): taken by the tcp sender while it
+    # sends (``sums_done``), or computed off the sending thread (``sums_ready``, an Event; verbs).
+    item_sums: np.ndarray | None = None
+    sums_filled: int = 0
+    sums_done: bool = False
+    sums_ready: Any = None
 
     def log_bytes(self) -> bytes:
         """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""

@@ -51,6 +51,45 @@ S = SenderState
 HISTORY_LIMIT = 65536
 
 
+@dataclass
+class DoneBuilder:
+    """DONE for one request, built by the transport when it has sent everything before it."""
+
+    layout: Any
+    algo: ChecksumAlgo
+    rid: Any
+    gen: int
+    aux: bytes
+    src: np.ndarray
+    batches: list[WriteBatch]
+    write_log: bool
+
+    def checksum(self) -> int:
+        if self.algo is ChecksumAlgo.NONE:
+            return 0
+        def ready(batch: WriteBatch) -> bool:
+            if batch.sums_done:
+                return True
+            return batch.sums_ready is not None and batch.sums_ready.wait(60) and batch.item_sums is not None
+
+        if self.batches and all(ready(b) for b in self.batches):
+            from .checksum import combine
+
+            nb = self.layout.num_buffers
+            # each batch's sums run buffer-major over its chunk: (buffers, chunk pages); chunks in order
+            per_batch = [b.item_sums.reshape(nb, -1) for b in self.batches]
+            values = np.concatenate(per_batch, axis=1).reshape(-1)
+            lengths = np.repeat(self.layout.item_lens, values.size // nb)
+            return combine(self.algo, values, lengths)
+        return checksum_pages(self.layout, self.src, self.algo)
+
+    def __call__(self) -> m.Done:
+        log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
+        return m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
+                      pages=int(self.src.size), checksum=self.checksum(), algo=self.algo.value, aux=self.aux,
+                      runs=log_bytes)
+
+
 class SenderLink(Protocol):
     """What the sender needs of a transport connection to one receiver."""
 
@@ -115,8 +154,10 @@ class Sender:
         lock: threading.RLock | None = None,
         clock: Callable[[], float] = time.monotonic,
         unsafe_legacy: bool = False,
+        defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.pool = pool
+        self._defer = defer
         self.layout = pool.layout
         self.max_context = int(max_context)
         self.checksum = ChecksumAlgo.parse(checksum)
@@ -341,6 +382,7 @@ class Sender:
                 batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
                 batch.owner = req
                 batch.final = req.sent + chunk.size == total
+                self._sum_later(batch)
                 req.posted += len(batch)
                 req.bytes_posted += batch.nbytes
                 req.batches.append(batch)
@@ -363,14 +405,42 @@ class Sender:
                 self._post_done(req, aux)
             return req
 
+    def _sum_later(self, batch: WriteBatch) -> None:
+        """Source item checksums of the batch, computed on the checksum thread while the transport
+        sends (the caller finished writing these pages before sending them)."""
+        from .checksum import native_id
+
+        algo_id = native_id(self.checksum)
+        if (self._defer is None or algo_id is None or self.layout.device != "cpu"
+                or not getattr(batch.owner.link, "needs_write_log", False)):
+            return  # tcp takes the sums while sending (hot in cache); verbs posts without reading
+        from . import native
+
+        event = threading.Event()
+        batch.sums_ready = event
+        items = self.layout.item_lens.astype(np.uint64)[batch.buffers]
+        bases = np.array([spec.address for spec in self.layout.buffers], dtype=np.uint64)
+        addresses = bases[batch.buffers] + batch.src_offsets.astype(np.uint64)
+        lengths = batch.lengths.astype(np.uint64)
+        initial = self.checksum.initial
+
+        def compute() -> None:
+            try:
+                raw = native.lib.checksum_items(algo_id, initial, addresses.tobytes(), lengths.tobytes(),
+                                                items.tobytes())
+                batch.item_sums = np.frombuffer(raw, dtype=np.uint32)
+            finally:
+                event.set()
+
+        self._defer(compute)
+
     def _post_done(self, req: SendRequest, aux: bytes) -> None:
         src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
-        value = checksum_pages(self.layout, src, self.checksum)
-        write_log = b""
-        if getattr(req.link, "needs_write_log", False):
-            write_log = b"".join(batch.log_bytes() for batch in req.batches)
-        done = m.Done(rid=req.rid, gen=req.gen, bytes=self.layout.bytes_for_pages(src.size),
-                      pages=int(src.size), checksum=value, algo=self.checksum.value, aux=aux, runs=write_log)
+        # The transport builds DONE when it reaches it, behind every write of the request; the source
+        # checksums were computed meanwhile on the checksum thread (or it reads the pages once).
+        done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=req.gen, aux=aux,
+                           src=src, batches=list(req.batches),
+                           write_log=bool(getattr(req.link, "needs_write_log", False)))
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
         req.link.post_ordered(done, slot=req.slot, gen=req.gen)

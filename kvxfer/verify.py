@@ -43,8 +43,11 @@ def verify_completion(
     pages: np.ndarray,
     claim: Claim,
     algo: ChecksumAlgo,
+    actual_checksum: int | None = None,
 ) -> None:
-    """Raise :class:`VerificationFailed` naming every check that failed; return if all hold."""
+    """Raise :class:`VerificationFailed` naming every check that failed; return if all hold.
+
+    ``actual_checksum`` is the receiver's checksum when it was computed beforehand (outside the lock)."""
     layout = pool.layout
     expected_bytes = layout.bytes_for_pages(len(pages))
     problems: list[tuple[str, str]] = []
@@ -79,7 +82,7 @@ def verify_completion(
     if claim.algo != algo.value:
         problems.append(("checksum", f"DONE uses {claim.algo}, this engine verifies {algo.value}"))
     elif not problems and algo is not ChecksumAlgo.NONE:
-        actual = checksum_pages(layout, pages, algo)
+        actual = checksum_pages(layout, pages, algo) if actual_checksum is None else actual_checksum
         if actual != claim.checksum:
             problems.append(
                 (

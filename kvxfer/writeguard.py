@@ -71,6 +71,10 @@ class WriteGuard:
         self.ledger = ledger
         self.lock = lock or threading.RLock()
         self.covered = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
+        # Per (buffer, page) checksum of the item as it landed, when the transport computed one while
+        # the bytes were still in cache; ``summed`` says which items have a current one.
+        self.item_sum = np.zeros((layout.num_buffers, layout.num_pages), dtype=np.uint32)
+        self.summed = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
         self._windows: dict[int, Window] = {}
         self._by_slot: dict[int, Window] = {}
         self.newest_generation = 0
@@ -93,6 +97,7 @@ class WriteGuard:
                     pages=window.pages[~ok],
                 )
             self.covered[:, window.pages] = False
+            self.summed[:, window.pages] = False
             self._windows[window.gen] = window
             self._by_slot[window.slot] = window
             self.newest_generation = max(self.newest_generation, window.gen)
@@ -225,8 +230,9 @@ class WriteGuard:
             )
         return window, counts
 
-    def record(self, window: Window, runs: np.ndarray, counts: np.ndarray | None = None) -> None:
-        """Record that an accepted write's bytes have landed."""
+    def record(self, window: Window, runs: np.ndarray, counts: np.ndarray | None = None,
+               sums: np.ndarray | None = None) -> None:
+        """Record that an accepted write's bytes have landed (with their item checksums, if known)."""
         with self.lock:
             buffers = runs["buffer"].astype(np.int64)
             lengths = runs["length"].astype(np.int64)
@@ -239,6 +245,11 @@ class WriteGuard:
             already = self.covered[page_buffers, pages]
             window.duplicate_items += int(already.sum())
             self.covered[page_buffers, pages] = True
+            if sums is not None and len(sums) == len(pages):
+                self.item_sum[page_buffers, pages] = sums
+                self.summed[page_buffers, pages] = True
+            else:
+                self.summed[page_buffers, pages] = False
             touched = np.unique(pages)
             full = self.covered[:, touched].all(axis=0)
             self.ledger.mark_written(touched[full], window.gen)
@@ -249,6 +260,18 @@ class WriteGuard:
             self.landed_writes += len(runs)
 
     # queries ------------------------------------------------------------------------------------
+    def landed_checksum(self, pages: np.ndarray, algo: Any) -> int | None:
+        """The request checksum combined from item checksums taken as the bytes landed, or None if
+        some item has none (the caller then reads the pages)."""
+        from .checksum import combine
+
+        with self.lock:
+            if not self.summed[:, pages].all():
+                return None
+            values = self.item_sum[:, pages].reshape(-1)
+        lengths = np.repeat(self.layout.item_lens, len(pages))
+        return combine(algo, values, lengths)
+
     def uncovered(self, pages: np.ndarray) -> np.ndarray:
         """Pages (of ``pages``) not covered in every buffer."""
         with self.lock:

@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +24,46 @@
 
 #define IOV_BATCH 512
 
+/* zlib-ng's checksums, looked up in the zlib_ng Python extension that is already loaded (it exports
+ * zng_adler32 / zng_crc32), so items are checksummed in C with the GIL released. algo 0 = Adler-32,
+ * 1 = CRC32. */
+typedef uint32_t (*checksum_fn)(uint32_t, const uint8_t *, uint32_t);
+static checksum_fn checksums[2] = {NULL, NULL};
+
+static PyObject *load_zlib_ng(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    void *handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (handle == NULL) Py_RETURN_FALSE;
+    checksums[0] = (checksum_fn)dlsym(handle, "zng_adler32");
+    checksums[1] = (checksum_fn)dlsym(handle, "zng_crc32");
+    if (checksums[0] == NULL || checksums[1] == NULL) {
+        checksums[0] = checksums[1] = NULL;
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static checksum_fn pick_checksum(int algo) {
+    if (algo < 0 || algo > 1 || checksums[algo] == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "zlib-ng checksums not loaded (call load_zlib_ng first)");
+        return NULL;
+    }
+    return checksums[algo];
+}
+
+/* Checksum one run as whole items (or as one piece when item == 0). Lengths are split at 1 GiB to
+ * fit zlib-ng's 32-bit length. GIL not needed. */
+static uint32_t checksum_span(checksum_fn fn, uint32_t value, const uint8_t *p, uint64_t len) {
+    while (len > 0) {
+        uint32_t piece = len > (1u << 30) ? (1u << 30) : (uint32_t)len;
+        value = fn(value, p, piece);
+        p += piece;
+        len -= piece;
+    }
+    return value;
+}
+
 static int parse_runs(Py_buffer *addrs, Py_buffer *lens, size_t *count) {
     if (addrs->len != lens->len || addrs->len % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "addresses and lengths must be uint64 arrays of equal size");
@@ -30,6 +71,46 @@ static int parse_runs(Py_buffer *addrs, Py_buffer *lens, size_t *count) {
     }
     *count = (size_t)addrs->len / 8;
     return 0;
+}
+
+/* Fill runs [first, end) from fd with readv; returns 0, an errno, or -1 for EOF. GIL not held. */
+static int recv_range(int fd, const uint64_t *a, const uint64_t *l, size_t first, size_t end) {
+    struct iovec iov[IOV_BATCH];
+    size_t i = first, off = 0;
+    while (i < end) {
+        if (l[i] == off) { i++; off = 0; continue; }
+        int k = 0;
+        size_t j = i, o = off;
+        while (j < end && k < IOV_BATCH) {
+            iov[k].iov_base = (char *)(uintptr_t)a[j] + o;
+            iov[k].iov_len = (size_t)(l[j] - o);
+            o = 0;
+            k++;
+            j++;
+        }
+        ssize_t r = readv(fd, iov, k);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return -1;
+        size_t got = (size_t)r;
+        while (got > 0) {
+            size_t left = (size_t)l[i] - off;
+            if (got >= left) { got -= left; i++; off = 0; }
+            else { off += got; got = 0; }
+        }
+    }
+    return 0;
+}
+
+static PyObject *raise_recv(int rc) {
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ConnectionError, "peer closed the connection");
+        return NULL;
+    }
+    errno = rc;
+    return PyErr_SetFromErrno(PyExc_OSError);
 }
 
 static PyObject *recv_runs(PyObject *self, PyObject *args) {
@@ -42,73 +123,96 @@ static PyObject *recv_runs(PyObject *self, PyObject *args) {
         PyBuffer_Release(&lens);
         return NULL;
     }
-    const uint64_t *a = (const uint64_t *)addrs.buf;
-    const uint64_t *l = (const uint64_t *)lens.buf;
-    int err = 0, eof = 0;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    struct iovec iov[IOV_BATCH];
-    size_t i = 0, off = 0;
-    while (i < n) {
-        if (l[i] == off) { i++; off = 0; continue; }
-        int k = 0;
-        size_t j = i, o = off;
-        while (j < n && k < IOV_BATCH) {
-            iov[k].iov_base = (char *)(uintptr_t)a[j] + o;
-            iov[k].iov_len = (size_t)(l[j] - o);
-            o = 0;
-            k++;
-            j++;
-        }
-        ssize_t r = readv(fd, iov, k);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            err = errno;
-            break;
-        }
-        if (r == 0) { eof = 1; break; }
-        size_t got = (size_t)r;
-        while (got > 0) {
-            size_t left = (size_t)l[i] - off;
-            if (got >= left) { got -= left; i++; off = 0; }
-            else { off += got; got = 0; }
-        }
-    }
+    rc = recv_range(fd, (const uint64_t *)addrs.buf, (const uint64_t *)lens.buf, 0, n);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&addrs);
     PyBuffer_Release(&lens);
-    if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
-    if (eof) { PyErr_SetString(PyExc_ConnectionError, "peer closed the connection"); return NULL; }
+    if (rc) return raise_recv(rc);
     Py_RETURN_NONE;
 }
 
-static PyObject *send_runs(PyObject *self, PyObject *args) {
-    int fd;
-    Py_buffer prefix, addrs, lens;
-    size_t n;
-    if (!PyArg_ParseTuple(args, "iy*y*y*", &fd, &prefix, &addrs, &lens)) return NULL;
-    if (parse_runs(&addrs, &lens, &n) < 0) {
-        PyBuffer_Release(&prefix);
-        PyBuffer_Release(&addrs);
-        PyBuffer_Release(&lens);
-        return NULL;
+/* Item checksums (each from `init`) of runs [first, end) into sums[*slot...]. GIL not needed. */
+static void sum_items(checksum_fn fn, uint32_t init, const uint64_t *a, const uint64_t *l, const uint64_t *it,
+                      size_t first, size_t end, uint32_t *sums, size_t *slot) {
+    for (size_t i = first; i < end; i++)
+        for (uint64_t off = 0; off < l[i]; off += it[i])
+            sums[(*slot)++] = checksum_span(fn, init, (const uint8_t *)(uintptr_t)(a[i] + off), it[i]);
+}
+
+/* Shared argument checks of the *_summed functions; returns the item count or -1. */
+static Py_ssize_t summed_items(Py_buffer *addrs, Py_buffer *lens, Py_buffer *items, size_t *n) {
+    if (parse_runs(addrs, lens, n) < 0) return -1;
+    if (items->len != addrs->len) {
+        PyErr_SetString(PyExc_ValueError, "item_lens must have one uint64 per run");
+        return -1;
     }
-    const uint64_t *a = (const uint64_t *)addrs.buf;
-    const uint64_t *l = (const uint64_t *)lens.buf;
-    int err = 0;
+    const uint64_t *l = (const uint64_t *)lens->buf, *it = (const uint64_t *)items->buf;
+    size_t total = 0;
+    for (size_t i = 0; i < *n; i++) {
+        if (it[i] == 0 || l[i] % it[i]) {
+            PyErr_SetString(PyExc_ValueError, "a run is not a whole number of items");
+            return -1;
+        }
+        total += (size_t)(l[i] / it[i]);
+    }
+    return (Py_ssize_t)total;
+}
+
+/* recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> bytes
+ * Like recv_runs, but lands the runs in groups of about `chunk` bytes and, right after each group
+ * lands (while it is still in cache), checksums every item of every run of the group (runs are whole
+ * items of item_lens[i] bytes), each from `initial`. Returns the item checksums as uint32, in order. */
+static PyObject *recv_runs_summed(PyObject *self, PyObject *args) {
+    int fd, algo;
+    Py_buffer addrs, lens, items;
+    unsigned long long initial, chunk;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iy*y*y*iKK", &fd, &addrs, &lens, &items, &algo, &initial, &chunk)) return NULL;
+    PyObject *out = NULL;
+    checksum_fn fn = pick_checksum(algo);
+    Py_ssize_t count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
+    if (count < 0) goto done;
+    out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out == NULL) goto done;
+    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
+    uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
+    int rc = 0;
     Py_BEGIN_ALLOW_THREADS
+    size_t first = 0, slot = 0;
+    while (first < n && rc == 0) {
+        size_t end = first, bytes = 0;
+        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
+        rc = recv_range(fd, a, l, first, end);
+        if (rc == 0) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
+        first = end;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_recv(rc); Py_CLEAR(out); }
+done:
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    return out;
+}
+
+/* Send `prefix` (may be empty) then runs [first, end) with sendmsg; 0 or an errno. GIL not held. */
+static int send_range(int fd, const char *prefix, size_t prefix_len, const uint64_t *a, const uint64_t *l,
+                      size_t first, size_t end) {
     struct iovec iov[IOV_BATCH];
-    /* run index -1 is the prefix */
-    long i = -1;
+    /* run index first-1 is the prefix */
+    long i = (long)first - 1;
     size_t off = 0;
-    while (i < (long)n) {
+    while (i < (long)end) {
         int k = 0;
         long j = i;
         size_t o = off;
-        while (j < (long)n && k < IOV_BATCH) {
-            char *base = j < 0 ? (char *)prefix.buf : (char *)(uintptr_t)a[j];
-            size_t len = j < 0 ? (size_t)prefix.len : (size_t)l[j];
+        while (j < (long)end && k < IOV_BATCH) {
+            const char *base = j < (long)first ? prefix : (const char *)(uintptr_t)a[j];
+            size_t len = j < (long)first ? prefix_len : (size_t)l[j];
             if (len > o) {
-                iov[k].iov_base = base + o;
+                iov[k].iov_base = (void *)(base + o);
                 iov[k].iov_len = len - o;
                 k++;
             }
@@ -123,19 +227,35 @@ static PyObject *send_runs(PyObject *self, PyObject *args) {
         ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
         if (r < 0) {
             if (errno == EINTR) continue;
-            err = errno;
-            break;
+            return errno;
         }
         size_t sent = (size_t)r;
-        while (sent > 0 && i < (long)n) {
-            size_t len = i < 0 ? (size_t)prefix.len : (size_t)l[i];
+        while (sent > 0 && i < (long)end) {
+            size_t len = i < (long)first ? prefix_len : (size_t)l[i];
             size_t left = len - off;
             if (sent >= left) { sent -= left; i++; off = 0; }
             else { off += sent; sent = 0; }
         }
-        /* skip empty runs */
-        while (i < (long)n && (i < 0 ? (size_t)prefix.len : (size_t)l[i]) == off) { i++; off = 0; }
+        while (i < (long)end && (i < (long)first ? prefix_len : (size_t)l[i]) == off) { i++; off = 0; }
     }
+    return 0;
+}
+
+static PyObject *send_runs(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer prefix, addrs, lens;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iy*y*y*", &fd, &prefix, &addrs, &lens)) return NULL;
+    if (parse_runs(&addrs, &lens, &n) < 0) {
+        PyBuffer_Release(&prefix);
+        PyBuffer_Release(&addrs);
+        PyBuffer_Release(&lens);
+        return NULL;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = send_range(fd, (const char *)prefix.buf, (size_t)prefix.len, (const uint64_t *)addrs.buf,
+                     (const uint64_t *)lens.buf, 0, n);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&prefix);
     PyBuffer_Release(&addrs);
@@ -144,14 +264,116 @@ static PyObject *send_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> bytes
+ * Like send_runs, in groups of about `chunk` bytes: each group's item checksums are computed just
+ * before the group is sent, so the copy into the socket then reads from cache. Returns uint32 sums. */
+static PyObject *send_runs_summed(PyObject *self, PyObject *args) {
+    int fd, algo;
+    Py_buffer prefix, addrs, lens, items;
+    unsigned long long initial, chunk;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*iKK", &fd, &prefix, &addrs, &lens, &items, &algo, &initial, &chunk))
+        return NULL;
+    PyObject *out = NULL;
+    checksum_fn fn = pick_checksum(algo);
+    Py_ssize_t count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
+    if (count < 0) goto done;
+    out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out == NULL) goto done;
+    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
+    uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    size_t first = 0, slot = 0;
+    int with_prefix = 1;
+    while (first < n && err == 0) {
+        size_t end = first, bytes = 0;
+        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
+        sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
+        err = send_range(fd, (const char *)prefix.buf, with_prefix ? (size_t)prefix.len : 0, a, l, first, end);
+        with_prefix = 0;
+        first = end;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) { errno = err; PyErr_SetFromErrno(PyExc_OSError); Py_CLEAR(out); }
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    return out;
+}
+
+/* checksum_runs(algo, value, addresses, lengths) -> int: the checksum continued over every run in
+ * order, in C with the GIL released. */
+static PyObject *checksum_runs(PyObject *self, PyObject *args) {
+    int algo;
+    unsigned long long value;
+    Py_buffer addrs, lens;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iKy*y*", &algo, &value, &addrs, &lens)) return NULL;
+    checksum_fn fn = pick_checksum(algo);
+    if (fn == NULL || parse_runs(&addrs, &lens, &n) < 0) {
+        PyBuffer_Release(&addrs);
+        PyBuffer_Release(&lens);
+        return NULL;
+    }
+    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf;
+    uint32_t v = (uint32_t)value;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) v = checksum_span(fn, v, (const uint8_t *)(uintptr_t)a[i], l[i]);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    return PyLong_FromUnsignedLong(v);
+}
+
+/* checksum_items(algo, initial, addresses, lengths, item_lens) -> bytes: every item's checksum (each
+ * from `initial`) as uint32, runs in order, in C with the GIL released. */
+static PyObject *checksum_items(PyObject *self, PyObject *args) {
+    int algo;
+    unsigned long long initial;
+    Py_buffer addrs, lens, items;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iKy*y*y*", &algo, &initial, &addrs, &lens, &items)) return NULL;
+    PyObject *out = NULL;
+    checksum_fn fn = pick_checksum(algo);
+    Py_ssize_t count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
+    if (count >= 0) out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out != NULL) {
+        uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
+        size_t slot = 0;
+        Py_BEGIN_ALLOW_THREADS
+        sum_items(fn, (uint32_t)initial, (const uint64_t *)addrs.buf, (const uint64_t *)lens.buf,
+                  (const uint64_t *)items.buf, 0, n, sums, &slot);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"checksum_items", checksum_items, METH_VARARGS,
+     "checksum_items(algo, initial, addresses, lengths, item_lens) -> uint32 item checksums"},
+    {"checksum_runs", checksum_runs, METH_VARARGS, "checksum_runs(algo, value, addresses, lengths) -> int"},
+    {"load_zlib_ng", load_zlib_ng, METH_VARARGS, "load_zlib_ng(path) -> bool: use zlib-ng's C checksums"},
     {"recv_runs", recv_runs, METH_VARARGS, "recv_runs(fd, addresses, lengths): fill runs from a socket"},
+    {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
+     "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},
+    {"send_runs_summed", send_runs_summed, METH_VARARGS,
+     "send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvxfer._native", "kvxfer's native data path (see native/).", -1, methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvxfer._native",
+    .m_doc = "kvxfer's native data path (see native/).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

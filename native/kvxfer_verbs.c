@@ -206,8 +206,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvxfer._verbs", "kvxfer's native verbs posting and polling (see native/).", -1,
-    methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvxfer._verbs",
+    .m_doc = "kvxfer's native verbs posting and polling (see native/).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__verbs(void) { return PyModule_Create(&module); }

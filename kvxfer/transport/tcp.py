@@ -45,6 +45,7 @@ from .faults import FaultInjector
 log = logging.getLogger("kvxfer.tcp")
 
 FRAME_MAX_RUNS = 512
+SUM_CHUNK = 256 << 10  # land this much, then checksum it while it is still in cache (L2)
 FRAME_MAX_BYTES = 32 << 20
 ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 _SCRATCH = 1 << 20
@@ -58,12 +59,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def _tune(sock: socket.socket) -> None:
+    """No delayed small frames; socket buffers left to the kernel's autotuning, which grows them past
+    what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max) and is disabled once they are set."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-        except OSError:  # pragma: no cover - kernel limits
-            pass
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -124,9 +122,15 @@ class TcpReceiver:
         on_connect: Callable[[m.Connect], Any],
         on_ordered: Callable[[Any, m.Message], None],
         on_closed: Callable[[Any, str], None],
+        checksum: Any = None,
     ) -> None:
+        from ..checksum import ChecksumAlgo, native_id
+
         self.layout = layout
         self.guard = guard
+        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
+        self._sum_fn = native_id(algo)
+        self._sum_initial = algo.initial if self._sum_fn is not None else 0
         self._on_connect = on_connect
         self._on_ordered = on_ordered
         self._on_closed = on_closed
@@ -139,6 +143,9 @@ class TcpReceiver:
         self._pending: set[_Inbound] = set()
         self._closed = False
         self.protocol_errors = 0
+        self.frames = 0
+        self.payload_seconds = 0.0  # time inside the payload copy (recv into destination pages)
+        self.busy_seconds = 0.0  # time handling frames, from header arrival to done
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kvxfer-tcp-accept", daemon=True)
         self._accept_thread.start()
 
@@ -186,9 +193,12 @@ class TcpReceiver:
                 self._conns[conn_id] = inbound
             while True:
                 recv_exact(sock, header_view)
+                t0 = time.perf_counter()
                 header = f.parse_header(header_buf)
                 if header.kind is f.FrameKind.WRITE:
                     self._land_write(sock, inbound.conn_id, header, scratch)
+                    self.frames += 1
+                    self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED:
                     body = bytearray(header.body_len)
                     recv_exact(sock, memoryview(body))
@@ -225,15 +235,25 @@ class TcpReceiver:
                 recv_exact(sock, scratch[:chunk])
                 remaining -= chunk
             return
+        t0 = time.perf_counter()
+        sums = None
         if native.lib is not None:
             addresses = self._dst_base[runs["buffer"]] + runs["offset"]
-            native.lib.recv_runs(sock.fileno(), addresses.tobytes(), runs["length"].astype(np.uint64).tobytes())
+            lengths = runs["length"].astype(np.uint64)
+            if self._sum_fn is not None:
+                items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
+                raw = native.lib.recv_runs_summed(sock.fileno(), addresses.tobytes(), lengths.tobytes(),
+                                                  items.tobytes(), self._sum_fn, self._sum_initial, SUM_CHUNK)
+                sums = np.frombuffer(raw, dtype=np.uint32)
+            else:
+                native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
         else:
             for buffer, offset, length in zip(
                 runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
             ):
                 recv_exact(sock, self._dst[buffer][offset : offset + length])
-        self.guard.record(window, runs, counts)
+        self.payload_seconds += time.perf_counter() - t0
+        self.guard.record(window, runs, counts, sums)
 
     def _finish(self, inbound: _Inbound, reason: str) -> None:
         with self._lock:
@@ -309,7 +329,9 @@ class _WriteJob:
 
 @dataclass
 class _OrderedJob:
-    frame: bytes
+    msg: Any  # a Message, or a callable building one when the job's turn comes (DONE)
+    slot: int
+    gen: int
 
 
 @dataclass
@@ -334,7 +356,13 @@ class TcpLink:
         on_closed: Callable[[TcpLink, str], None],
         faults: FaultInjector | None = None,
         timeout: float = 10.0,
+        checksum: Any = None,
     ) -> None:
+        from ..checksum import ChecksumAlgo, native_id
+
+        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
+        self._sum_fn = native_id(algo)  # item checksums taken while sending, in the same C loop
+        self._sum_initial = algo.initial if self._sum_fn is not None else 0
         self.layout = layout
         self.address = address
         self.conn_id = (connect.engine, connect.epoch)
@@ -369,8 +397,9 @@ class TcpLink:
     def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None:
         self._post(_WriteJob(batch, on_complete))
 
-    def post_ordered(self, msg: m.Message, *, slot: int, gen: int) -> None:
-        self._post(_OrderedJob(f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=slot, generation=gen)))
+    def post_ordered(self, msg: Any, *, slot: int, gen: int) -> None:
+        """Send ``msg`` (or what ``msg()`` builds, for DONE) after every frame posted before it."""
+        self._post(_OrderedJob(msg, slot, gen))
 
     def post_raw(self, pieces: list[Any]) -> None:
         """Send prepared frame bytes as they are (fault replay, hostile-peer tests)."""
@@ -400,7 +429,9 @@ class TcpLink:
                 if isinstance(job, _WriteJob):
                     self._send_batch(job)
                 elif isinstance(job, _OrderedJob):
-                    send_all(self._sock, [job.frame])
+                    msg = job.msg() if callable(job.msg) else job.msg
+                    frame = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
+                    send_all(self._sock, [frame])
                 else:
                     send_all(self._sock, job.frame)
                 self.frames_sent += 1
@@ -448,8 +479,15 @@ class TcpLink:
         runs = f.pack_runs(buffers, batch.dst_offsets[start:end], batch.lengths[start:end])
         if self.faults is None and native.lib is not None:
             addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
-            native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(),
-                                 batch.lengths[start:end].astype(np.uint64).tobytes())
+            lengths = batch.lengths[start:end].astype(np.uint64)
+            if self._sum_fn is None or batch.sums_ready is not None:
+                native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
+            else:
+                items = self.layout.item_lens.astype(np.uint64)[buffers]
+                raw = native.lib.send_runs_summed(self._sock.fileno(), header + runs, addresses.tobytes(),
+                                                  lengths.tobytes(), items.tobytes(), self._sum_fn,
+                                                  self._sum_initial, SUM_CHUNK)
+                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), end == len(batch))
             self.bytes_sent += size
             return
         payload: list[Any] = [
@@ -479,6 +517,17 @@ class TcpLink:
         else:
             send_all(self._sock, [header, runs, *payload])
         self.bytes_sent += size
+
+    def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
+        """Append one frame's item checksums to the batch's (frames go out in batch order)."""
+        if batch.item_sums is None:
+            items = batch.lengths // self.layout.item_lens[batch.buffers]
+            batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
+            batch.sums_filled = 0
+        batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums
+        batch.sums_filled += len(sums)
+        if last and batch.sums_filled == len(batch.item_sums):
+            batch.sums_done = True
 
     def _shutdown(self, reason: str) -> None:
         with self._cond:

@@ -544,7 +544,7 @@ class VerbsLink:
         self._cond = threading.Condition()
         self._queue: collections.deque[Any] = collections.deque()
         self._inflight: collections.deque[_Posted] = collections.deque()
-        self._ordered: collections.deque[tuple[int, m.Message]] = collections.deque()
+        self._ordered: collections.deque[tuple[int, Any]] = collections.deque()
         self._held: collections.deque[tuple[float, Any]] = collections.deque()
         self._next_wr = 1
         self._completed_upto = 0
@@ -731,7 +731,7 @@ class VerbsLink:
     def _flush_ordered(self) -> None:
         while self._ordered and not self._held and self._ordered[0][0] <= self._completed_upto:
             _, msg = self._ordered.popleft()
-            self._send_control(msg)
+            self._send_control(msg() if callable(msg) else msg)
 
     def _shutdown(self, reason: str) -> None:
         with self._cond:

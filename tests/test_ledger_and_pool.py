@@ -306,3 +306,38 @@ def test_no_warnings_on_import():
         import kvxfer
 
         importlib.reload(kvxfer)
+
+
+def test_checksum_combination_equals_the_checksum_of_the_concatenation():
+    import zlib
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvxfer.checksum import combine_adler32, combine_crc32
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.binary(min_size=0, max_size=6000), min_size=0, max_size=12))
+    def check(pieces):
+        joined = b"".join(pieces)
+        lens = np.array([len(p) for p in pieces], dtype=np.int64)
+        assert combine_adler32(np.array([zlib.adler32(p) for p in pieces]), lens) == zlib.adler32(joined)
+        assert combine_crc32(np.array([zlib.crc32(p) for p in pieces]), lens) == zlib.crc32(joined)
+
+    check()
+
+
+def test_host_regions_are_really_prefaulted():
+    import resource
+
+    from kvxfer.memory import allocate_host
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    region = allocate_host(64 << 20, prefault=True)
+    assert rss() - before > 48 << 20
+    region.close()
+    del resource

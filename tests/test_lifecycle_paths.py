@@ -485,3 +485,20 @@ def test_caller_chosen_pages_are_checked(engines):
     time.sleep(0.1)
     assert pair.prefill.status("ext").state is S.ADMITTED
     pair.prefill.abort("ext")
+
+
+def test_checksums_taken_as_bytes_land_match_a_reading_pass(engines):
+    """The fast path (item checksums at landing, combined) agrees with reading the pages back."""
+    from kvxfer import native
+    from kvxfer.checksum import checksum_pages
+
+    pair = engines()
+    pair.transfer("fast", 17 * PAGE_TOKENS, seed=21)
+    req = pair.decode.wait("fast")
+    assert req.state is R.READABLE
+    guard = pair.decode.receiver.guard
+    landed = guard.landed_checksum(req.pages, pair.decode.receiver.checksum)
+    if native.checksums_in_c:
+        assert landed == checksum_pages(pair.decode.layout, req.pages, "adler32")
+    else:
+        assert landed is None

@@ -43,3 +43,54 @@ def test_native_scatter_gather_moves_exact_bytes():
     b.close()
     with pytest.raises(ValueError):
         native.lib.recv_runs(0, b"\x00" * 8, b"")
+
+
+@pytest.mark.skipif(not native.checksums_in_c, reason="zlib-ng checksums not loaded in C")
+def test_item_checksums_in_c_match_zlib():
+    import zlib
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 64 * 4096, dtype=np.uint8)
+    addrs = (data.ctypes.data + np.array([0, 8 * 4096, 40 * 4096], dtype=np.uint64))
+    lens = np.array([2 * 4096, 4 * 4096, 3 * 4096], dtype=np.uint64)
+    items = np.full(3, 4096, dtype=np.uint64)
+    raw = native.lib.checksum_items(0, 1, addrs.tobytes(), lens.tobytes(), items.tobytes())
+    got = np.frombuffer(raw, dtype=np.uint32).tolist()
+    expected = [zlib.adler32(data[int(a - data.ctypes.data) + k * 4096:][:4096].tobytes())
+                for a, n in zip(addrs, lens) for k in range(int(n) // 4096)]
+    assert got == expected
+    crc = native.lib.checksum_runs(1, 0, addrs.tobytes(), lens.tobytes())
+    assert crc == zlib.crc32(b"".join(data[int(a - data.ctypes.data):][: int(n)].tobytes() for a, n in zip(addrs, lens)))
+    with pytest.raises(ValueError, match="whole number of items"):
+        native.lib.checksum_items(0, 1, addrs.tobytes(), lens.tobytes(), np.full(3, 3000, np.uint64).tobytes())
+
+
+@pytest.mark.skipif(not native.checksums_in_c, reason="zlib-ng checksums not loaded in C")
+def test_summed_send_and_receive_checksum_every_item():
+    import zlib
+
+    a, b = socket.socketpair()
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, 256 * 1024, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets = np.arange(0, 256 * 1024, 8192, dtype=np.uint64)[::-1].copy()  # 32 scattered 8 KiB runs
+    lens = np.full(len(offsets), 8192, dtype=np.uint64)
+    items = np.full(len(offsets), 4096, dtype=np.uint64)
+    out = {}
+
+    def send():
+        out["sent"] = native.lib.send_runs_summed(a.fileno(), b"P", (src.ctypes.data + offsets).tobytes(),
+                                                  lens.tobytes(), items.tobytes(), 0, 1, 16384)
+
+    t = threading.Thread(target=send)
+    t.start()
+    assert b.recv(1) == b"P"
+    received = native.lib.recv_runs_summed(b.fileno(), (dst.ctypes.data + offsets).tobytes(), lens.tobytes(),
+                                           items.tobytes(), 0, 1, 16384)
+    t.join()
+    assert np.array_equal(src, dst)
+    expected = [zlib.adler32(src[int(o) + k * 4096:][:4096].tobytes()) for o in offsets for k in range(2)]
+    assert np.frombuffer(out["sent"], np.uint32).tolist() == expected
+    assert np.frombuffer(received, np.uint32).tolist() == expected
+    a.close()
+    b.close()

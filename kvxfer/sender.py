@@ -171,6 +171,7 @@ class Sender:
         self.by_gen: OrderedDict[tuple[str, int], SendRequest] = OrderedDict()
         self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
         self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
+        self.peer_rejections: dict[Any, tuple[m.Reject, float]] = {}
         self._next_local_gen = 1
         self.stats: Counter[str] = Counter()
         self.changed = threading.Condition(self.lock)
@@ -222,6 +223,11 @@ class Sender:
             req.deadline = self._clock() + self.meta_timeout
             self.active[rid] = req
             self.stats["admitted"] += 1
+            rejection = self.peer_rejections.pop(rid, None)
+            if rejection is not None:
+                self._fail(req, AdmissionRejected(f"decode rejected it: {rejection[0].detail}",
+                                                  reason=rejection[0].reason, rid=rid))
+                return req
             pending = self.pending_meta.pop(rid, None)
             if pending is not None:
                 self._bind_meta(req, pending[0], pending[1])
@@ -319,7 +325,13 @@ class Sender:
         """The receiver rejected the request at its admission (it never reserved pages)."""
         with self.lock:
             req = self.active.get(msg.rid)
-            if req is None or req.state is not S.ADMITTED:
+            if req is None:
+                # Not admitted here (yet): remember, so its admission fails at once instead of
+                # waiting for a destination that will never come.
+                self.peer_rejections[msg.rid] = (msg, self._clock() + self.meta_timeout)
+                self.stats["peer_rejections_remembered"] += 1
+                return
+            if req.state is not S.ADMITTED:
                 self.stats["stale_reject"] += 1
                 return
             req.peer = peer
@@ -548,6 +560,9 @@ class Sender:
                     self._fail(req, TransferFailed(
                         f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
                         rid=req.rid))
+            for rid, (_msg, deadline) in list(self.peer_rejections.items()):
+                if now >= deadline:
+                    del self.peer_rejections[rid]
             for rid, (peer, msg, deadline) in list(self.pending_meta.items()):
                 if now >= deadline:
                     del self.pending_meta[rid]

@@ -1,0 +1,76 @@
+"""kvxfer as a drop-in SGLang disaggregation transfer backend (``--disaggregation-transfer-backend kvxfer``).
+
+SGLang has no plugin entry point, so :func:`register` adds ``kvxfer`` to SGLang's backend enum and
+argument choices and routes ``get_kv_class`` to :mod:`.conn`'s classes. It must run in every SGLang
+process (SGLang spawns its schedulers); ``python -m kvxfer.integrations.sglang.launch_server ARGS``
+does that for you (see ``docs/sglang.md``). This module imports SGLang only when :func:`register`
+is called; :mod:`.conn` imports it at import time.
+
+Tested against: sglang 0.5.23 (:data:`TESTED_VERSIONS`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+BACKEND = "kvxfer"
+TESTED_VERSIONS = ("0.5.23",)
+_MARK = "_kvxfer_wrapped"
+
+
+def _extend_enum(enum_cls: Any, name: str, value: str) -> Any:
+    """Add a member to an existing Enum (idempotent)."""
+    existing = enum_cls._value2member_map_.get(value)
+    if existing is not None:
+        return existing
+    member = object.__new__(enum_cls)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    member.__init__(value)
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register() -> None:
+    """Make ``kvxfer`` a transfer backend of the SGLang in this process (idempotent)."""
+    import sglang
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.disaggregation import utils
+
+    version = getattr(sglang, "__version__", "?")
+    if version not in TESTED_VERSIONS:
+        import warnings
+
+        warnings.warn(f"kvxfer's SGLang backend was tested with sglang {', '.join(TESTED_VERSIONS)}, "
+                      f"this is {version}", RuntimeWarning, stacklevel=2)
+    if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([BACKEND])
+    member = _extend_enum(utils.TransferBackend, "KVXFER", BACKEND)
+    original = utils.get_kv_class
+    if getattr(original, _MARK, False):
+        return
+
+    def get_kv_class(transfer_backend: Any, class_type: Any, *args: Any, **kwargs: Any) -> Any:
+        if transfer_backend == member and class_type != utils.KVClassType.KVARGS:
+            from . import conn
+
+            return {
+                utils.KVClassType.MANAGER: conn.KvxferKVManager,
+                utils.KVClassType.SENDER: conn.KvxferKVSender,
+                utils.KVClassType.RECEIVER: conn.KvxferKVReceiver,
+                utils.KVClassType.BOOTSTRAP_SERVER: conn.KvxferKVBootstrapServer,
+            }.get(class_type)
+        return original(transfer_backend, class_type, *args, **kwargs)
+
+    setattr(get_kv_class, _MARK, True)
+    get_kv_class.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.get_kv_class = get_kv_class
+    # modules that did `from ...utils import get_kv_class` before this call
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sglang.") and getattr(module, "get_kv_class", None) is original:
+            module.get_kv_class = get_kv_class

@@ -1,0 +1,299 @@
+"""kvxfer as SGLang's transfer backend, driven the way SGLang's prefill and decode schedulers drive it.
+
+Uses the real, pinned ``sglang`` package (installed by ``tools/install_sglang.py``; skipped with the
+reason when absent): its base classes, ``KVArgs``, ``KVPoll``, ``KVTransferError``, ``ServerArgs``,
+``MetadataBuffers``, its bootstrap registry and ``get_kv_class`` after :func:`register`. KV buffers are
+CPU tensors laid out as SGLang's MHA pool lays them (per layer K then V, item = page_size x heads x
+head_dim), and every check is on the bytes that arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sglang = pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
+torch = pytest.importorskip("torch")
+
+os.environ.setdefault("KVXFER_TEST_FAULTS", "1")  # lets tests reach the prefill engine's fault injector
+os.environ.setdefault("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "4")
+
+from kvxfer.integrations.sglang import register  # noqa: E402
+
+register()
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import KVTransferError  # noqa: E402
+from sglang.srt.disaggregation.utils import (  # noqa: E402
+    DisaggregationMode,
+    KVClassType,
+    MetadataBuffers,
+    TransferBackend,
+    get_kv_class,
+)
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from kvxfer.wire import messages as m  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
+BACKEND = TransferBackend("kvxfer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Rank:
+    """One scheduler rank's KV pool (SGLang's MHA layout), metadata buffers and kvxfer manager."""
+
+    def __init__(self, mode: DisaggregationMode, pages: int, port: int, context: int) -> None:
+        slots = (pages + 1) * PAGE  # SGLang pads the pool by one page
+        self.k = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.v = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
+        bufs = self.k + self.v
+        self.meta = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0)
+        args = KVArgs()
+        args.engine_rank = 0
+        args.kv_data_ptrs = [b.data_ptr() for b in bufs]
+        args.kv_data_lens = [b.nbytes for b in bufs]
+        args.kv_item_lens = [b[0].nbytes * PAGE for b in bufs]
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
+        args.state_data_ptrs = []
+        args.page_size = PAGE
+        args.kv_cache_dtype_str = "bfloat16"
+        args.ib_device = None
+        server_args = ServerArgs(model_path="dummy-model", disaggregation_mode=mode.value,
+                                 disaggregation_transfer_backend="kvxfer", disaggregation_bootstrap_port=port,
+                                 host="127.0.0.1", context_length=context)
+        self.mgr = get_kv_class(BACKEND, KVClassType.MANAGER)(args, mode, server_args, False)
+        self.bootstrap_addr = f"127.0.0.1:{port}"
+
+    def page_bytes(self, pages: np.ndarray) -> list[np.ndarray]:
+        out = []
+        for buf in self.k + self.v:
+            raw = buf.view(torch.uint8).numpy().reshape(-1, PAGE * HEADS * HEAD_DIM * 2)
+            out.append(raw[pages].copy())
+        return out
+
+    def fill(self, pages: np.ndarray, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for buf in self.k + self.v:
+            for p in pages.tolist():
+                buf[p * PAGE : (p + 1) * PAGE] = torch.randn((PAGE, HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def _verbs_ready() -> tuple[bool, str]:
+    from kvxfer.transport import verbs
+
+    return verbs.available()
+
+
+@pytest.fixture(params=["tcp", pytest.param("verbs", marks=pytest.mark.verbs)])
+def pd(request, monkeypatch):
+    """A bootstrap server, a prefill rank and a decode rank (decode pool twice the prefill's), over
+    the tcp transport, and over verbs where a verbs device exists (the soft-RoCE VM)."""
+    if request.param == "verbs":
+        ok, why = _verbs_ready()
+        if not ok:
+            pytest.skip(f"no verbs device: {why}")
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "20")
+    monkeypatch.setenv("KVXFER_TRANSPORT", request.param)
+    port = _free_port()
+    server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    prefill = Rank(DisaggregationMode.PREFILL, 24, port, context=24 * PAGE)
+    decode = Rank(DisaggregationMode.DECODE, 48, port, context=24 * PAGE)
+    yield prefill, decode
+    for rank in (decode, prefill):
+        if rank.mgr.engine.faults is not None:
+            rank.mgr.engine.faults.resume()
+        rank.mgr.engine.check_accounting()
+        rank.close()
+    server.close()
+
+
+def _poll_until(obj, targets, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    state = obj.poll()
+    while state not in targets and time.monotonic() < deadline:
+        time.sleep(0.01)
+        state = obj.poll()
+    return state
+
+
+def _bootstrap(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray, aux: tuple[int, int]):
+    """SGLang's handshake: decode receiver init + send_metadata; prefill sender polled to
+    WaitingForInput, then init(num_pages, metadata_buffer_index)."""
+    sender = get_kv_class(BACKEND, KVClassType.SENDER)(mgr=prefill.mgr, bootstrap_addr=prefill.bootstrap_addr,
+                                                        bootstrap_room=room)
+    receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
+                                                            bootstrap_room=room)
+    assert sender.poll() == KVPoll.Bootstrapping and receiver.poll() == KVPoll.Bootstrapping
+    receiver.init(prefill_dp_rank=0)
+    assert receiver.poll() == KVPoll.WaitingForInput
+    receiver.send_metadata(dst.astype(np.int32), aux_index=aux[1], state_indices=None, decode_prefix_len=0)
+    if receiver.poll() == KVPoll.Failed:
+        return sender, receiver
+    assert _poll_until(sender, {KVPoll.WaitingForInput, KVPoll.Failed}) == KVPoll.WaitingForInput
+    sender.init(len(src), aux[0])
+    return sender, receiver
+
+
+def _ordered(prefill: Rank, decode: Rank, msg: m.Message) -> None:
+    """Deliver an ordered message as the writer's transport would (a hostile or replaying writer)."""
+    engine = prefill.mgr.engine
+    if engine.config.transport == "tcp":
+        from kvxfer.wire.frames import FrameKind, message_frame
+
+        link = engine.peers[decode.mgr.engine.engine_id].link
+        link.post_raw([message_frame(FrameKind.ORDERED, m.encode(msg), generation=msg.gen)])
+    else:
+        engine._send_to_peer(decode.mgr.engine.engine_id, msg)
+
+
+def _metadata(rank: Rank, index: int, room: int, token: int) -> None:
+    rank.meta.output_ids[index][0] = token
+    rank.meta.bootstrap_room[index][0] = room
+
+
+def test_prefill_and_decode_sequences_reach_success_with_the_bytes(pd):
+    prefill, decode = pd
+    room = 0xC0FFEE
+    src = np.array([3, 4, 5, 9, 10, 20, 21], dtype=np.int64)
+    dst = np.array([40, 2, 3, 4, 30, 31, 7], dtype=np.int64)
+    prefill.fill(src, seed=1)
+    _metadata(prefill, 1, room, token=4242)
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(1, 5))
+    assert sender.poll() == KVPoll.WaitingForInput
+    for chunk in (src[:3], src[3:5], src[5:]):  # chunked prefill: one send per chunk, last one detected
+        sender.send(chunk.astype(np.int32), None, num_kv_tokens=len(chunk) * PAGE)
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    for got, want in zip(decode.page_bytes(dst), prefill.page_bytes(src)):
+        assert np.array_equal(got, want)
+    assert int(decode.meta.bootstrap_room[5][0]) == room and int(decode.meta.output_ids[5][0]) == 4242
+    assert sender.get_transfer_metric().transfer_total_bytes == len(src) * sum(decode.mgr.kv_args.kv_item_lens)
+    receiver.clear()
+    sender.clear()
+    # polls never go backwards and the pages are handed to SGLang (kvxfer holds nothing)
+    assert receiver.poll() == KVPoll.Success and sender.poll() == KVPoll.Success
+    assert decode.mgr.engine.pool.ledger.free_count == decode.mgr.layout.num_pages
+
+
+def test_over_capacity_request_fails_on_both_sides_and_moves_nothing(pd):
+    prefill, decode = pd
+    room = 77
+    pages = 30  # fits the decode pool (48), not the prefill pool (24)
+    src = np.arange(pages, dtype=np.int64) % 24
+    dst = np.arange(pages, dtype=np.int64)
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(0, 0))
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="rejected"):
+        receiver.failure_exception()
+    sender.init(pages, 0)  # the prefill sees the size here and rejects it too
+    assert sender.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError) as err:
+        sender.failure_exception()
+    assert err.value.bootstrap_room == room
+    assert decode.mgr.engine.stats()["writes"]["landed_bytes"] == 0
+    assert prefill.mgr.engine.stats()["bytes_sent"] == 0
+    assert decode.mgr.engine.pool.ledger.free_count == decode.mgr.layout.num_pages
+
+
+def test_abort_mid_transfer_keeps_decode_pages_unreleasable_until_drained(pd):
+    prefill, decode = pd
+    room = 5150
+    src = np.arange(8, dtype=np.int64)
+    dst = np.arange(10, 18, dtype=np.int64)
+    faults = prefill.mgr.engine.faults
+    faults.pause()  # the link stalls with writes posted
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(0, 1))
+    sender.send(src[:4].astype(np.int32))
+    receiver.abort()  # the client went away
+    assert receiver.poll() == KVPoll.Failed
+    receiver.ensure_abort_notified(force_arm=True)
+    assert decode.mgr.is_abort_release_safe(room, len(receiver.bootstrap_infos)) is False
+    time.sleep(0.3)
+    assert decode.mgr.is_abort_release_safe(room, 1) is False  # still in flight: never free
+    faults.resume()
+    deadline = time.monotonic() + 30
+    while not decode.mgr.is_abort_release_safe(room, 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert decode.mgr.is_abort_release_safe(room, 1)
+    assert _poll_until(sender, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+
+
+def test_reused_room_gets_a_new_generation_and_old_messages_cannot_touch_it(pd):
+    prefill, decode = pd
+    room = 31337
+    src = np.array([1, 2, 3], dtype=np.int64)
+    dst = np.array([5, 6, 7], dtype=np.int64)
+    prefill.fill(src, seed=5)
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(2, 2))
+    sender.send(src.astype(np.int32))
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    old_gen = receiver.generation
+    # the same room again: a new request, a new generation; its writer stalls and it is aborted
+    prefill.mgr.engine.faults.pause()
+    sender2, receiver2 = _bootstrap(prefill, decode, room, src, dst, aux=(2, 2))
+    assert receiver2.generation != old_gen
+    sender2.send(src[:1].astype(np.int32))
+    receiver2.abort()
+    # a drain acknowledgement of the OLD generation arrives: it must not release the new one
+    stale = m.DrainAck(rid=room, gen=old_gen, posted=0, completed=0)
+    prefill.mgr.engine.faults.resume()
+    prefill.mgr.engine.sender.on_abort = lambda peer, msg: None  # hold back the genuine ack
+    _ordered(prefill, decode, stale)
+    time.sleep(0.3)
+    assert decode.mgr.is_abort_release_safe(room, 1) is False
+    _ordered(prefill, decode, m.DrainAck(rid=room, gen=receiver2.generation, posted=0, completed=0))
+    deadline = time.monotonic() + 30
+    while not decode.mgr.is_abort_release_safe(room, 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert decode.mgr.is_abort_release_safe(room, 1)
+    prefill.mgr.engine.sender.abort(room)
+
+
+def test_corrupted_transfer_fails_poll(pd):
+    prefill, decode = pd
+    room = 404
+    src = np.array([6, 7, 8, 9], dtype=np.int64)
+    dst = np.array([1, 11, 21, 31], dtype=np.int64)
+    prefill.fill(src, seed=9)
+    prefill.mgr.engine.faults.flip_next_write()
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(3, 3))
+    sender.send(src.astype(np.int32))
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="checksum"):
+        receiver.failure_exception()
+    assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Failed
+    assert int(decode.meta.bootstrap_room[3][0]) == 0  # no metadata row for an unverified transfer
+
+
+def test_backend_registers_in_spawned_processes_through_the_launcher_environment():
+    from kvxfer.integrations.sglang.launch_server import environment
+
+    code = ("import sglang.srt.disaggregation.utils as u; "
+            "from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES as c; "
+            "print(u.get_kv_class(u.TransferBackend('kvxfer'), u.KVClassType.SENDER).__name__, 'kvxfer' in c)")
+    out = subprocess.run([sys.executable, "-c", code], env=environment(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["KvxferKVSender", "True"]
+
+
+def test_importing_kvxfer_never_imports_sglang():
+    code = "import kvxfer, kvxfer.integrations, kvxfer.integrations.sglang, sys; " \
+           "print(any(k.startswith('sglang') for k in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

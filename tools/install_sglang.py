@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Install the pinned SGLang release the integration tests drive, without its CUDA stack.
+
+SGLang's wheel depends on CUDA kernels, flash-attention and more; its disaggregation classes need
+none of them. This installs the pinned `sglang` with --no-deps plus the pure-Python packages and the
+torch/torchvision pair its imports reach (torchvision: SGLang's module graph imports it). Already
+installed: nothing to do. Used by .ci/run and the README's test command.
+
+    python3 tools/install_sglang.py [--check]
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+import sys
+
+SGLANG = "sglang==0.5.23"
+TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
+LIGHT = [
+    "aiohttp", "requests", "psutil", "pybase64", "starlette", "msgspec", "tqdm", "transformers", "dill",
+    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "gguf", "pydantic", "orjson", "ipython",
+]
+
+
+def installed(spec: str) -> bool:
+    name, _, version = spec.partition("==")
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        return False
+    return not version or have.split("+")[0] == version
+
+
+def importable() -> bool:
+    code = ("import sglang.srt.disaggregation.utils, sglang.srt.disaggregation.common.conn, "
+            "sglang.srt.disaggregation.base.conn")
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True).returncode == 0
+
+
+def main() -> int:
+    if "--check" in sys.argv:
+        return 0 if importable() else 1
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    if not all(installed(s) for s in TORCH):
+        subprocess.run(pip + TORCH, check=True)
+    missing = [s for s in LIGHT if not installed(s)]
+    if missing:
+        subprocess.run(pip + missing, check=True)
+    if not installed(SGLANG):
+        subprocess.run(pip + ["--no-deps", SGLANG], check=True)
+    if not importable():
+        print("sglang installed but its disaggregation modules do not import", file=sys.stderr)
+        return 1
+    print(f"{SGLANG} ready (disaggregation classes import)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -167,9 +167,10 @@ class _Node:
             raise KvxferError("no fenced link kept (configure keep_fenced_links first)")
         link = self.faults.stale_links.pop()
         item = int(self.layout.item_lens[0])
-        spare = self.layout.num_pages - 1  # garbage from a page the engine is not using
-        if self.engine.pool.ledger.state[spare] != 0:
-            raise KvxferError("the spare source page is in use")
+        free = np.flatnonzero(np.asarray(self.engine.pool.ledger.state) == 0)
+        if free.size == 0:
+            raise KvxferError("no free source page to write garbage from")
+        spare = int(free[-1])  # garbage from a page the engine is not using
         self.layout.views()[0][spare] = 0xEE
         endpoint = link.endpoint
         dst = int(link._remote_addr[0]) + int(pages[0]) * item

@@ -94,7 +94,47 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON")
     bench.set_defaults(func=_bench)
+
+    audit = sub.add_parser("audit", help="deployment audits: capacity band, leak probe")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    capacity = audit_sub.add_parser("capacity", help="find prompt lengths that pass the context check but not the pool")
+    _lazy(capacity, "kvxfer.audit.capacity")
+    probe = audit_sub.add_parser("probe", help="boundary test: an over-length prompt must fail and leak nothing")
+    _lazy(probe, "kvxfer.audit.probe")
+
+    toy = sub.add_parser("serve-toy", help="a toy HTTP model on kvxfer engines to probe (safe or --unsafe-legacy)")
+    toy.add_argument("--host", default="127.0.0.1")
+    toy.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    toy.add_argument("--page-size", type=int, default=16)
+    toy.add_argument("--prefill-pages", type=int, default=256)
+    toy.add_argument("--decode-pages", type=int, default=2048)
+    toy.add_argument("--context", type=int, default=32768, help="advertised context length (tokens)")
+    toy.add_argument("--token-cost-us", type=float, default=50.0, help="simulated prefill time per token")
+    toy.add_argument("--unsafe-legacy", action="store_true", help="reproduce the incident (placeholder prefill)")
+    toy.add_argument("--max-seconds", type=float, default=None, help="stop serving after this long")
+    toy.set_defaults(func=_serve_toy)
+
+    simulate = sub.add_parser("simulate", help="exposure simulation of the incident path over the real page ledger")
+    _lazy(simulate, "kvxfer.simulate")
     return parser
+
+
+def _lazy(parser: argparse.ArgumentParser, module: str) -> None:
+    """A subcommand whose options and body live in ``module`` (imported only when used)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    mod.add_arguments(parser)
+    parser.set_defaults(func=mod.main)
+
+
+def _serve_toy(args: argparse.Namespace) -> int:
+    from .toy import ToyConfig, serve
+
+    return serve(ToyConfig(host=args.host, port=args.port, page_size=args.page_size,
+                           prefill_pages=args.prefill_pages, decode_pages=args.decode_pages, context=args.context,
+                           token_cost_us=args.token_cost_us, unsafe_legacy=args.unsafe_legacy,
+                           max_seconds=args.max_seconds))
 
 
 def _bench(args: argparse.Namespace) -> int:

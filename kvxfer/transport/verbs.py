@@ -780,14 +780,11 @@ class VerbsLink:
 
 def parse_write_log(data: bytes) -> np.ndarray:
     """DONE's write log as a run table (same records as tcp WRITE frames)."""
-    from ..wire.frames import RUN_DTYPE, RUN_SIZE
+    from ..wire.frames import RUN_DTYPE, RUN_SIZE, check_runs
 
     if len(data) % RUN_SIZE:
         raise ProtocolError(f"write log of {len(data)} bytes is not a whole number of {RUN_SIZE}-byte runs")
-    runs = np.frombuffer(data, dtype=RUN_DTYPE)
-    if (runs["flags"] != 0).any() or (runs["length"] == 0).any():
-        raise ProtocolError("write log run with flags or zero length")
-    return runs
+    return check_runs(np.frombuffer(data, dtype=RUN_DTYPE), "write log")
 
 
 __all__ = ["VerbsDevice", "VerbsLink", "VerbsOptions", "VerbsReceiver", "WriteRefused", "available",

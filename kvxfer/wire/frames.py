@@ -34,6 +34,7 @@ RUN_DTYPE = np.dtype([("buffer", "<u4"), ("flags", "<u4"), ("offset", "<u8"), ("
 RUN_SIZE = RUN_DTYPE.itemsize  # 24
 MAX_RUNS = 8192
 MAX_PAYLOAD = 1 << 30
+MAX_OFFSET = 1 << 48  # no registered buffer is 256 TiB; larger offsets are hostile or corrupt
 
 assert HEADER_SIZE == 32 and RUN_SIZE == 24
 
@@ -95,16 +96,28 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
 
 def parse_runs(header: FrameHeader, body: bytes | bytearray | memoryview) -> np.ndarray:
     """The WRITE frame's run table; checks it adds up to the payload."""
-    runs = np.frombuffer(body, dtype=RUN_DTYPE, count=header.count)
-    if (runs["flags"] != 0).any():
-        raise ProtocolError("WRITE run with unknown flags")
+    runs = check_runs(np.frombuffer(body, dtype=RUN_DTYPE, count=header.count), "WRITE")
     lengths = runs["length"]
-    if (lengths == 0).any():
-        raise ProtocolError("WRITE run of zero bytes")
     if int(lengths.sum(dtype=np.uint64)) != header.payload_len:
         raise ProtocolError(
             f"WRITE runs add up to {int(lengths.sum(dtype=np.uint64))} bytes, header says {header.payload_len}"
         )
+    return runs
+
+
+def check_runs(runs: np.ndarray, what: str) -> np.ndarray:
+    """Field limits of a run table (tcp WRITE frames, verbs write logs): no flags, no empty run,
+    no run longer than a frame's payload limit, no offset past :data:`MAX_OFFSET`. With these, sums
+    and page arithmetic on the runs cannot overflow."""
+    if (runs["flags"] != 0).any():
+        raise ProtocolError(f"{what} run with unknown flags")
+    lengths = runs["length"]
+    if (lengths == 0).any():
+        raise ProtocolError(f"{what} run of zero bytes")
+    if (lengths > MAX_PAYLOAD).any():
+        raise ProtocolError(f"{what} run of {int(lengths.max())} bytes (at most {MAX_PAYLOAD})")
+    if (runs["offset"] >= MAX_OFFSET).any():
+        raise ProtocolError(f"{what} run at offset {int(runs['offset'].max())} (offsets stay below 2^48)")
     return runs
 
 

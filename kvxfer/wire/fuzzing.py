@@ -1,0 +1,110 @@
+"""Fuzz targets: every decoder a peer's bytes reach, driven with arbitrary input.
+
+Two targets, shared by the coverage-guided fuzzer (``tools/fuzz.py``, atheris/libFuzzer), the
+hypothesis tests and the corpus replay test:
+
+* :func:`control_message`: one control message as it arrives on the control plane
+  (:func:`kvxfer.wire.messages.decode`), plus DONE's verbs write log when present;
+* :func:`frame_stream`: a data-plane byte stream as the tcp receiver consumes it: frame headers,
+  WRITE run tables checked by a real :class:`~kvxfer.writeguard.WriteGuard` against a real ledger
+  with a write window open, ORDERED and CONNECT message bodies.
+
+The contract under test: malformed input raises :class:`~kvxfer.errors.ProtocolError`, a write the
+guard refuses raises :class:`~kvxfer.errors.WriteRefused`, and nothing else escapes. A target
+returns normally for input that is fine; any other exception is a bug.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ProtocolError, WriteRefused
+from . import frames as f
+from . import messages as m
+
+FUZZ_PAGES = 64
+FUZZ_ITEM = 256
+FUZZ_BUFFERS = 2
+FUZZ_SLOT = 3
+FUZZ_GEN = 7
+_guard = None
+
+
+def control_message(data: bytes) -> None:
+    try:
+        msg = m.decode(data)
+    except ProtocolError:
+        return
+    # what decodes must re-encode to a message that decodes equal (no half-validated fields)
+    again = m.decode(m.encode(msg))
+    if type(again) is not type(msg):
+        raise AssertionError(f"{msg.TYPE} re-decoded as {again.TYPE}")
+    if isinstance(msg, m.Done) and msg.runs:
+        from ..transport.verbs import parse_write_log
+
+        try:
+            runs = parse_write_log(msg.runs)
+        except ProtocolError:
+            return
+        _check_runs_with_guard(runs, conn="fuzz", slot=FUZZ_SLOT, gen=FUZZ_GEN)
+
+
+def frame_stream(data: bytes) -> None:
+    view = memoryview(data)
+    pos = 0
+    while pos + f.HEADER_SIZE <= len(view):
+        try:
+            header = f.parse_header(view[pos : pos + f.HEADER_SIZE])
+        except ProtocolError:
+            return  # the receiver fences the connection here
+        pos += f.HEADER_SIZE
+        body = view[pos : pos + header.body_len]
+        if len(body) < header.body_len:
+            return  # the stream ended mid-frame: connection lost
+        pos += header.body_len
+        try:
+            if header.kind is f.FrameKind.WRITE:
+                runs = f.parse_runs(header, body)
+                _check_runs_with_guard(runs, conn="fuzz", slot=header.slot, gen=header.generation)
+                pos += header.payload_len
+            else:
+                m.decode(body)
+        except ProtocolError:
+            return
+        except WriteRefused:
+            pos += header.payload_len  # the receiver discards the payload and carries on
+
+
+def _check_runs_with_guard(runs: np.ndarray, *, conn: str, slot: int, gen: int) -> None:
+    guard = _fuzz_guard()
+    try:
+        window, counts = guard.check(conn, slot, gen, runs)
+    except WriteRefused:
+        return
+    # an accepted write must stay inside the window's pages and the layout
+    if (counts <= 0).any():
+        raise AssertionError(f"accepted a run of {counts.min()} pages")
+    items = guard.layout.item_lens[runs["buffer"].astype(np.int64)]
+    first = runs["offset"].astype(np.int64) // items
+    if (first < 0).any() or ((first + counts) > guard.layout.num_pages).any():
+        raise AssertionError("accepted a write outside the layout")
+    if not np.isin(first, window.pages).all():
+        raise AssertionError("accepted a write outside the window")
+
+
+def _fuzz_guard():  # one small real guard with one window open, built once per process
+    global _guard
+    if _guard is None:
+        from ..layout import KVLayout
+        from ..ledger import PageLedger
+        from ..writeguard import Window, WriteGuard
+
+        layout = KVLayout.allocate(num_buffers=FUZZ_BUFFERS, item_len=FUZZ_ITEM, num_pages=FUZZ_PAGES, page_size=16)
+        ledger = PageLedger(FUZZ_PAGES)
+        pages = ledger.allocate(8, FUZZ_GEN)
+        _guard = WriteGuard(layout, ledger)
+        _guard.open(Window(rid="fuzz", gen=FUZZ_GEN, slot=FUZZ_SLOT, conn="fuzz", pages=pages))
+    return _guard
+
+
+TARGETS = {"messages": control_message, "frames": frame_stream}

@@ -11,7 +11,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose,
-                    verbs={"ib_device": args.ib_device, "gid_index": args.gid_index})
+                    verbs={"ib_device": args.ib_device, "gid_index": args.gid_index},
+                    metrics_port=args.metrics_port, linger=args.linger)
 
 
 def _stress(args: argparse.Namespace) -> int:
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", default="tcp", choices=["tcp", "verbs"], help="data transport (default tcp)")
     _verbs_flags(demo)
     demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
+    demo.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                      help="serve Prometheus metrics: decode on P, prefill on P+1")
+    demo.add_argument("--linger", type=float, default=0.0, metavar="S",
+                      help="keep the engines and their metrics endpoints up S seconds after the session")
     demo.set_defaults(func=_demo)
 
     stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
@@ -102,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     probe = audit_sub.add_parser("probe", help="boundary test: an over-length prompt must fail and leak nothing")
     _lazy(probe, "kvxfer.audit.probe")
 
+    keygen = sub.add_parser("keygen", help="key pairs for an authenticated control plane (CurveZMQ)",
+                            description="Write DIR/NAME/ for every NAME: its key pair (self.key_secret, mode 0600) "
+                                        "and the public keys of all the NAMEs (trusted/). Give each engine its "
+                                        "directory as EngineConfig(keyring=...) or KVXFER_KEYRING.")
+    keygen.add_argument("directory")
+    keygen.add_argument("names", nargs="+", metavar="NAME", help="engine or node names, e.g. prefill0 decode0")
+    keygen.add_argument("--force", action="store_true", help="replace existing keyrings of these names")
+    keygen.set_defaults(func=_keygen)
+
     toy = sub.add_parser("serve-toy", help="a toy HTTP model on kvxfer engines to probe (safe or --unsafe-legacy)")
     toy.add_argument("--host", default="127.0.0.1")
     toy.add_argument("--port", type=int, default=30000, help="0 picks a free port")
@@ -126,6 +140,20 @@ def _lazy(parser: argparse.ArgumentParser, module: str) -> None:
     mod = importlib.import_module(module)
     mod.add_arguments(parser)
     parser.set_defaults(func=mod.main)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .auth import write_cluster
+    from .errors import ConfigError
+
+    try:
+        paths = write_cluster(args.directory, args.names, force=args.force)
+    except ConfigError as exc:
+        print(f"kvxfer keygen: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(f"{path}: key pair and {len(args.names)} trusted public keys")
+    return 0
 
 
 def _serve_toy(args: argparse.Namespace) -> int:

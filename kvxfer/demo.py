@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .auth import write_cluster
 from .errors import AdmissionRejected, CapacityError, KvxferError, NotReadable
 from .node import NodeClient, NodeSpec, spawn
 
@@ -48,18 +49,28 @@ class Outcome:
 
 
 class Demo:
-    def __init__(self, *, transport: str = "tcp", verbose: bool = False, verbs: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, transport: str = "tcp", verbose: bool = False, verbs: dict[str, Any] | None = None,
+                 metrics_port: int | None = None, linger: float = 0.0, announce: Callable[[str], None] = print) -> None:
         self.transport = transport
         self.verbs = {k: v for k, v in (verbs or {}).items() if v is not None}
         self.verbose = verbose
+        self.metrics_port = metrics_port
+        self.linger = linger
+        self.announce = announce
         self.outcomes: list[Outcome] = []
         self._logs = tempfile.TemporaryDirectory(prefix="kvxfer-demo-")
+        # one key pair per engine, each trusting the other: the control plane is authenticated
+        self.keyrings = {path.name: str(path) for path in write_cluster(Path(self._logs.name) / "keys",
+                                                                         ["prefill", "decode"])}
         self.prefill: NodeClient | None = None
         self.decode: NodeClient | None = None
         self.peer = ""
 
     def _spec(self, role: str, pages: int, **config: Any) -> NodeSpec:
-        base: dict[str, Any] = {"max_context": CONTEXT, "transport": self.transport, "drain_timeout": 10.0}
+        base: dict[str, Any] = {"max_context": CONTEXT, "transport": self.transport, "drain_timeout": 10.0,
+                                "keyring": self.keyrings[role]}
+        if self.metrics_port is not None:  # decode on the port given, prefill on the next one
+            base["metrics_port"] = self.metrics_port + (1 if role == "prefill" else 0)
         if self.transport == "verbs":
             base.update(self.verbs, drain_timeout=3.0, peer_timeout=60.0)
         base.update(config)
@@ -231,6 +242,38 @@ class Demo:
         return (f"writer ignored the abort; decode fenced its queue pair after the drain timeout; a late write "
                 f"on it never completed and flushed with status {late['statuses']}; 'new' ({report['pages']} pages) intact")
 
+    def step_authentication(self) -> str:
+        """A client whose key the engines do not trust cannot peer, reserve, complete or abort anything."""
+        import zmq
+
+        from .auth import Keyring, split_address
+        from .wire import messages as m
+
+        assert self.prefill is not None and self.decode is not None
+        before = self.prefill.stats()
+        endpoint, server_key = split_address(self.prefill.control)
+        stranger = Keyring.generate("stranger")
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, stranger.public, stranger.secret
+            sock.setsockopt(zmq.IDENTITY, self.peer.encode())  # even under the real decode's name
+            sock.connect(endpoint)
+            sock.send(m.encode(m.Abort(rid="new", gen=1, reason="hostile", detail="stranger")), zmq.NOBLOCK)
+            deadline = time.monotonic() + 10
+            while self.prefill.stats()["engine_counters"].get("auth_denied", 0) <= \
+                    before["engine_counters"].get("auth_denied", 0):
+                assert time.monotonic() < deadline, "the stranger's handshake was never refused"
+                time.sleep(0.05)
+            sock.close(0)
+        finally:
+            ctx.term()
+        after = self.prefill.stats()
+        assert after["requests"] == before["requests"], "a stranger's message reached the request logic"
+        denied = after["engine_counters"]["auth_denied"]
+        return f"a client with an untrusted key, even under the decode's engine id, was refused at the handshake ({denied} denial(s) logged); nothing reached the request logic"
+
     def step_accounting(self) -> str:
         assert self.prefill is not None and self.decode is not None
         for node, total in ((self.decode, DECODE_PAGES), (self.prefill, PREFILL_PAGES)):
@@ -239,7 +282,8 @@ class Demo:
             assert stats["pool_free"] == total, f"{node.spec.role}: {stats['pool_free']} of {total} free"
         return f"invariant holds; decode {DECODE_PAGES}/{DECODE_PAGES} and prefill {PREFILL_PAGES}/{PREFILL_PAGES} pages free"
 
-    def run(self) -> list[Outcome]:
+    def run(self, *, keep_open: bool = False) -> list[Outcome]:
+        """Run every step; the engines are closed at the end unless ``keep_open`` (then call close())."""
         steps = [
             ("startup", "undersized prefill pool refused without the override", self.step_capacity),
             ("normal", "transfers arrive byte-exact", self.step_normal),
@@ -247,17 +291,36 @@ class Demo:
             ("abort", "aborted pages quarantined until drained, then freed", self.step_abort_quarantine),
             ("corruption", "flipped byte caught by the checksum", self.step_corruption),
             ("late write", "late write after abort lands nowhere, reused pages intact", self.step_late_write),
+            ("authentication", "an unkeyed peer is refused before it can touch a request", self.step_authentication),
             ("accounting", "every page accounted for at the end", self.step_accounting),
         ]
+        self.expected_steps = len(steps)
         try:
             for index, (step, expectation, fn) in enumerate(steps):
                 if not self.expect(step, expectation, fn) and index == 0:
                     break
         finally:
-            for node in (self.decode, self.prefill):
-                if node is not None:
-                    node.close()
+            if not keep_open:
+                self.close()
         return self.outcomes
+
+    def close(self) -> None:
+        for node in (self.decode, self.prefill):
+            if node is not None:
+                node.close()
+        self.decode = self.prefill = None
+
+    def linger_here(self) -> None:
+        """Keep the engines (and their metrics endpoints) up for ``linger`` seconds after the session."""
+        if self.metrics_port is None and not self.linger:
+            return
+        urls = [f"{node.spec.role} {node.metrics}" for node in (self.decode, self.prefill)
+                if node is not None and node.metrics]
+        if urls:
+            self.announce(f"metrics: {', '.join(urls)}")
+        if self.linger > 0:
+            self.announce(f"lingering {self.linger:g} s")
+            time.sleep(self.linger)
 
     def log_tail(self) -> str:
         out = []
@@ -269,17 +332,35 @@ class Demo:
 
 
 def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: bool = False,
-             verbs: dict[str, Any] | None = None) -> int:
+             verbs: dict[str, Any] | None = None, metrics_port: int | None = None, linger: float = 0.0) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(f"[bold]kvxfer demo[/bold]: prefill and decode engines in two processes, {transport} transport, "
                   f"pools of {PREFILL_PAGES * PAGE_TOKENS:,} and {DECODE_PAGES * PAGE_TOKENS:,} tokens, "
                   f"advertised context {CONTEXT:,}")
-    demo = Demo(transport=transport, verbose=verbose, verbs=verbs)
+    demo = Demo(transport=transport, verbose=verbose, verbs=verbs, metrics_port=metrics_port, linger=linger,
+                announce=lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
     started = time.monotonic()
-    outcomes = demo.run()
+    try:
+        outcomes = demo.run(keep_open=True)
+        elapsed = time.monotonic() - started
+        _print_outcomes(console, demo, outcomes, elapsed, verbose)
+        demo.linger_here()
+    finally:
+        demo.close()
+    ok = len(outcomes) == demo.expected_steps and all(o.ok for o in outcomes)
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "ok": ok, "transport": transport, "seconds": round(elapsed, 3),
+            "outcomes": [asdict(o) for o in outcomes],
+        }, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+def _print_outcomes(console: Any, demo: Demo, outcomes: list[Outcome], elapsed: float, verbose: bool) -> None:
+    from rich.table import Table
+
     table = Table(show_lines=False)
     table.add_column("step")
     table.add_column("expectation")
@@ -288,20 +369,13 @@ def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: b
     for o in outcomes:
         table.add_row(o.step, o.expectation, "[green]yes[/green]" if o.ok else "[red]NO[/red]", o.detail)
     console.print(table)
-    ok = len(outcomes) == 7 and all(o.ok for o in outcomes)
-    elapsed = time.monotonic() - started
+    ok = len(outcomes) == demo.expected_steps and all(o.ok for o in outcomes)
     console.print(f"{'[green]all expectations held[/green]' if ok else '[red]some expectations failed[/red]'} "
                   f"in {elapsed:.1f} s")
     if not ok and not verbose:
         tail = demo.log_tail()
         if tail:
             console.print(tail, markup=False, highlight=False)
-    if json_path:
-        Path(json_path).write_text(json.dumps({
-            "ok": ok, "transport": transport, "seconds": round(elapsed, 3),
-            "outcomes": [asdict(o) for o in outcomes],
-        }, indent=2) + "\n")
-    return 0 if ok else 1
 
 
 __all__ = ["Demo", "Outcome", "run_demo", "KvxferError"]

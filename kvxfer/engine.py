@@ -39,8 +39,10 @@ from .errors import (
     TransferFailed,
     TransportError,
 )
+from .events import EventLog
 from .layout import KVLayout
 from .lifecycle import ReceiverState, SenderState
+from .metrics import EngineMetrics
 from .pool import PagePool, check_capacity
 from .receiver import PeerInfo, Receiver, ReceiveRequest
 from .sender import Sender, SendRequest
@@ -79,7 +81,19 @@ class EngineConfig:
     ib_device: str | None = None
     ib_port: int = 1
     gid_index: int | None = None
+    keyring: Any = None  # a kvxfer.auth.Keyring or a keyring directory: authenticated control plane
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port); None: off
+    metrics_host: str | None = None  # default: ``host``
+    max_pending_meta: int = 4096  # prefill: destinations held for requests not admitted yet, per peer
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def load_keyring(self) -> Any:
+        """The :class:`~kvxfer.auth.Keyring` to use, or None for an unauthenticated control plane."""
+        if self.keyring is None or self.keyring == "":
+            return None
+        from .auth import Keyring
+
+        return self.keyring if isinstance(self.keyring, Keyring) else Keyring.load(self.keyring)
 
     def verbs_options(self) -> Any:
         from .transport.verbs import VerbsOptions
@@ -94,6 +108,10 @@ class EngineConfig:
         for name in ("transfer_timeout", "drain_timeout", "meta_timeout", "heartbeat_interval", "peer_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port {self.metrics_port} is not a TCP port")
+        if self.max_pending_meta <= 0:
+            raise ConfigError("max_pending_meta must be positive")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,9 +139,12 @@ class _Engine:
         self.lock = threading.RLock()
         self.pool = PagePool(layout, alloc_policy=config.alloc_policy, free_policy=config.free_policy,
                              seed=config.seed)
-        self.control = ControlPlane(self.engine_id, host=config.host, port=config.control_port)
+        self.events = EventLog(self.engine_id, self.role)
+        self.control = ControlPlane(self.engine_id, host=config.host, port=config.control_port,
+                                    keyring=config.load_keyring())
         self.address = self.control.address
         self.counters: Counter[str] = Counter()
+        self.metrics: EngineMetrics | None = None
         self._stop = threading.Event()
         self._closed = False
         self._hb_seq = 0
@@ -131,7 +152,30 @@ class _Engine:
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-{self.role}-control", daemon=True)
 
     def _start(self) -> None:
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics = EngineMetrics(self)
+                self.metrics_address = self.metrics.serve(self.config.metrics_host or self.config.host,
+                                                          self.config.metrics_port)
+            except OSError as exc:
+                self.close()
+                raise ConfigError(f"cannot serve metrics on port {self.config.metrics_port}: {exc}") from exc
         self._thread.start()
+
+    def _observe(self, fsm: Any, old: Any, reason: str) -> None:
+        """Lifecycle observer (called under the engine lock): event lines and metrics."""
+        self.events.transition(fsm, old, reason)
+        if self.metrics is not None:
+            self.metrics.observe(fsm, old, reason)
+
+    def _event(self, kind: str, *, counter: str | None = None, limit_key: str | None = None, **fields: Any) -> None:
+        """Count an off-the-happy-path control event and log it as one structured line."""
+        self.counters[counter or kind] += 1
+        self.events.emit(kind, limit_key=limit_key if limit_key is not None else kind, **fields)
+
+    def _control_events(self) -> None:
+        for kind, fields in self.control.drain_events():
+            self._event(kind, **fields)
 
     # the control thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -139,6 +183,8 @@ class _Engine:
             try:
                 for identity, data in self.control.receive(20):
                     self._handle(identity, data)
+                if self.control.events:
+                    self._control_events()
                 self._tick()
                 now = time.monotonic()
                 if now >= self._next_heartbeat:
@@ -152,16 +198,19 @@ class _Engine:
         try:
             msg = m.decode(data)
         except ProtocolError as exc:
-            self.counters["malformed_messages"] += 1
             log.warning("%s: malformed control message from %r: %s", self.engine_id, identity, exc)
+            self._event("malformed_message", counter="malformed_messages", limit_key=identity, peer=identity,
+                        error=str(exc)[:500])
             self._reply_error(identity, "?", exc)
             return
         self._note_alive(identity)
         try:
             self._dispatch(identity, msg)
         except KvxferError as exc:
-            self.counters["refused_messages"] += 1
             log.warning("%s: %s from %r refused: %s", self.engine_id, msg.TYPE, identity, exc)
+            self._event("refused_message", counter="refused_messages", limit_key=f"{identity}/{exc.code}",
+                        peer=identity, message=msg.TYPE, rid=getattr(msg, "rid", None), gen=getattr(msg, "gen", None),
+                        code=exc.code, error=str(exc)[:500])
             self._reply_error(identity, msg.TYPE, exc, rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0))
 
     def _reply_error(self, identity: str, about: str, exc: KvxferError, *, rid: Any = "?", gen: int = 0) -> None:
@@ -214,6 +263,8 @@ class _Engine:
             self._thread.join(timeout=5)
         self._close_transport()
         self.control.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _close_transport(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -308,7 +359,9 @@ class DecodeEngine(_Engine):
             lock=self.lock,
             unsafe_legacy=config.unsafe_legacy,
             defer=self._verifier.submit,
+            observer=self._observe,
         )
+        self.receiver.guard.on_refused = self._write_refused
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
         self.transport: Any
         try:
@@ -476,17 +529,20 @@ class DecodeEngine(_Engine):
                 entry = next((e for s, e in self._pending_hello.items()
                               if secrets.compare_digest(s, msg.session)), None)
                 if entry is None or entry.get("early_conn") is not None:
-                    self.counters["refused_connections"] += 1
+                    self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                                why="unknown session")
                     log.warning("%s: data connection from %r refused: unknown session", self.engine_id, msg.engine)
                     return None
                 entry["early_conn"] = (msg.engine, msg.epoch)
                 return entry["early_conn"]
             if not secrets.compare_digest(info.session, msg.session):
-                self.counters["refused_connections"] += 1
+                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                            why="wrong session")
                 log.warning("%s: data connection from %r refused: wrong session", self.engine_id, msg.engine)
                 return None
             if msg.epoch <= info.epoch:
-                self.counters["refused_connections"] += 1
+                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                            why=f"epoch {msg.epoch} not after {info.epoch}")
                 log.warning("%s: data connection from %r refused: epoch %d not after %d",
                             self.engine_id, msg.engine, msg.epoch, info.epoch)
                 return None
@@ -495,6 +551,14 @@ class DecodeEngine(_Engine):
             info.ready = True
             self.receiver.changed.notify_all()
             return info.conn
+
+    def _write_refused(self, reason: str, conn: Any, refusal: Any) -> None:
+        """WriteGuard hook (under the lock): one rate-limited event line per refused write."""
+        fields: dict[str, Any] = {"reason": reason, "conn": conn}
+        if refusal is not None:
+            fields.update(rid=refusal.rid, gen=refusal.generation, pages=(refusal.pages or [])[:16],
+                          error=refusal.detail[:300])
+        self.events.emit("write_refused", limit_key=reason, **fields)
 
     def _on_data_closed(self, conn: Any, reason: str) -> None:
         self.counters["connections_lost"] += 1
@@ -505,7 +569,7 @@ class DecodeEngine(_Engine):
         """Fence a data connection: after this returns nothing from it can land. Never under lock."""
         closed = self.transport.fence(conn)
         if closed:
-            self.counters["fences"] += 1
+            self._event("fence", counter="fences", limit_key="", peer=conn[0], epoch=conn[1], reason=reason[:500])
             log.warning("%s: fenced data connection %s: %s", self.engine_id, conn, reason)
             self.receiver.on_connection_closed(conn, f"fenced: {reason}")
             peer, epoch = conn
@@ -526,7 +590,7 @@ class DecodeEngine(_Engine):
                     info.ready = False
                     dead.append(info)
         for info in dead:
-            self.counters["dead_peers"] += 1
+            self._event("dead_peer", counter="dead_peers", peer=info.engine, silent_s=round(now - info.last_seen, 3))
             log.warning("%s: peer %s silent for %.1f s: dead", self.engine_id, info.engine, now - info.last_seen)
             if info.conn is not None:
                 self.fence(info.conn, f"peer {info.engine} dead (silent for {now - info.last_seen:.1f} s)")
@@ -644,6 +708,8 @@ class PrefillEngine(_Engine):
             lock=self.lock,
             unsafe_legacy=config.unsafe_legacy,
             defer=self._checksummer.submit,
+            observer=self._observe,
+            max_pending_meta=config.max_pending_meta,
         )
         self.peers: dict[str, _Peer] = {}
         self.verbs_device: Any = None
@@ -779,7 +845,7 @@ class PrefillEngine(_Engine):
 
     def _on_fenced(self, peer: _Peer, msg: m.Fenced) -> None:
         """The decode fenced our connection of epoch ``msg.epoch``: settle, then reconnect."""
-        self.counters["fenced_by_peer"] += 1
+        self._event("fenced_by_peer", peer=peer.engine, epoch=msg.epoch, reason=msg.reason[:500])
         with self.lock:
             link = peer.link
             if link is not None and link.epoch == msg.epoch:
@@ -815,7 +881,7 @@ class PrefillEngine(_Engine):
                     peer.alive = False
                     dead.append(peer)
         for peer in dead:
-            self.counters["dead_peers"] += 1
+            self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
             log.warning("%s: peer %s silent: dead", self.engine_id, peer.engine)
             if peer.link is not None:
                 peer.link.close(flush=False)
@@ -847,10 +913,13 @@ class PrefillEngine(_Engine):
         self._checksummer.close()
 
     # the API ---------------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False) -> SendRequest:
-        """Admit a prompt or raise :class:`AdmissionRejected` (nothing held, no byte moves)."""
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
+        """Admit a prompt or raise :class:`AdmissionRejected` (nothing held, no byte moves).
+
+        ``peer`` (a decode engine id), when the caller knows it, binds the request to that decode:
+        no other peer can give it a destination or reject it."""
         self._check_open()
-        return self.sender.admit(rid, tokens, external_pages=external_pages)
+        return self.sender.admit(rid, tokens, external_pages=external_pages, peer=peer)
 
     def wait_ready(self, rid: Any, *, timeout: float = 30.0) -> SendRequest:
         """Block until decode's destination pages are known (or the request ended)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,10 @@ SENDER_TRANSITIONS: dict[SenderState, frozenset[SenderState]] = {
 RECEIVER_TERMINAL = frozenset(s for s, nxt in RECEIVER_TRANSITIONS.items() if not nxt)
 SENDER_TERMINAL = frozenset(s for s, nxt in SENDER_TRANSITIONS.items() if not nxt)
 
+# The happy path on each role; every other state is an event operators are told about.
+RECEIVER_HAPPY = frozenset({R.NEW, R.RESERVED, R.VERIFYING, R.READABLE, R.RELEASED})
+SENDER_HAPPY = frozenset({S.NEW, S.ADMITTED, S.READY, S.TRANSFERRING, S.DONE_SENT, S.SUCCEEDED})
+
 
 @dataclass
 class Transition:
@@ -94,6 +99,8 @@ class Lifecycle:
     generation: int | None = None
     state: Any = None
     history: list[Transition] = field(default_factory=list)
+    # called after every transition with (lifecycle, old state, reason); metrics and event logs
+    observer: Callable[[Lifecycle, Any, str], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.role == "receiver":
@@ -122,8 +129,21 @@ class Lifecycle:
                 old=self.state.value,
                 new=getattr(new, "value", str(new)),
             )
-        self.history.append(Transition(self.state.value, new.value, reason, time.monotonic()))
+        old = self.state
+        self.history.append(Transition(old.value, new.value, reason, time.monotonic()))
         self.state = new
+        if self.observer is not None:
+            self.observer(self, old, reason)
+
+    @property
+    def happy(self) -> bool:
+        """Whether the current state is on the role's happy path."""
+        return self.state in (RECEIVER_HAPPY if self.role == "receiver" else SENDER_HAPPY)
+
+    @property
+    def age(self) -> float:
+        """Seconds since the first transition (admission), 0 before it."""
+        return self.history[-1].at - self.history[0].at if self.history else 0.0
 
     @property
     def reason(self) -> str:

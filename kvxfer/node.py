@@ -72,8 +72,8 @@ class _Node:
         self.rpc_address = f"tcp://127.0.0.1:{port}"
 
     def serve(self) -> None:
-        print(json.dumps({"rpc": self.rpc_address, "control": self.engine.address, "engine": self.engine.engine_id}),
-              flush=True)
+        print(json.dumps({"rpc": self.rpc_address, "control": self.engine.address, "engine": self.engine.engine_id,
+                          "metrics": getattr(self.engine, "metrics_address", None)}), flush=True)
         running = True
         while running:
             method, kwargs = msgpack.unpackb(self.rep.recv(), raw=False)
@@ -321,6 +321,7 @@ class NodeClient:
         self.process = process
         self.control = info["control"]
         self.engine_id = info["engine"]
+        self.metrics: str | None = info.get("metrics")
         self._rpc_address = info["rpc"]
         self._timeout = timeout
         self._ctx = zmq.Context()

@@ -113,6 +113,7 @@ class Receiver:
         clock: Callable[[], float] = time.monotonic,
         unsafe_legacy: bool = False,
         defer: Callable[[Callable[[], None]], None] | None = None,
+        observer: Callable[[Lifecycle, Any, str], None] | None = None,
     ) -> None:
         if not 0 < max_inflight <= MAX_SLOTS:
             raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
@@ -137,6 +138,7 @@ class Receiver:
         self._free_slots = list(range(max_inflight - 1, -1, -1))
         self._next_gen = 1
         self.stats: Counter[str] = Counter()
+        self.observer = observer
         self.changed = threading.Condition(self.lock)
 
     # peers --------------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ class Receiver:
                 raise DuplicateRequest(
                     f"already active in state {live.state.value}", rid=rid, generation=live.gen
                 )
-            req = ReceiveRequest(rid=rid, tokens=int(tokens), peer=peer or "", fsm=Lifecycle("receiver", rid))
+            req = ReceiveRequest(rid=rid, tokens=int(tokens), peer=peer or "", fsm=Lifecycle("receiver", rid, observer=self.observer))
             rejection = self._admission_problem(req, None)
             if rejection is not None:
                 raise self._reject(req, *rejection, tell_peer=peer is not None)

@@ -33,6 +33,7 @@ from .errors import (
     AdmissionRejected,
     DuplicateRequest,
     KvxferError,
+    PeerError,
     PoolExhausted,
     StaleGeneration,
     TransferAborted,
@@ -111,6 +112,7 @@ class SendRequest:
     gen: int = 0
     slot: int = -1
     peer: str | None = None
+    expected_peer: str | None = None  # admit(peer=...): only this decode may give the destination
     link: Any = None
     dst_pages: np.ndarray | None = None
     sent: int = 0
@@ -155,6 +157,8 @@ class Sender:
         clock: Callable[[], float] = time.monotonic,
         unsafe_legacy: bool = False,
         defer: Callable[[Callable[[], None]], None] | None = None,
+        observer: Callable[[Lifecycle, Any, str], None] | None = None,
+        max_pending_meta: int = 4096,
     ) -> None:
         self.pool = pool
         self._defer = defer
@@ -171,26 +175,30 @@ class Sender:
         self.by_gen: OrderedDict[tuple[str, int], SendRequest] = OrderedDict()
         self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
         self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
-        self.peer_rejections: dict[Any, tuple[m.Reject, float]] = {}
+        self.max_pending_meta = max_pending_meta
+        self.meta_gen_seen: dict[str, int] = {}  # per receiver: newest META generation (they only grow)
+        self.peer_rejections: dict[Any, tuple[m.Reject, float, str]] = {}
         self._next_local_gen = 1
         self.stats: Counter[str] = Counter()
+        self.observer = observer
         self.changed = threading.Condition(self.lock)
 
     # admission ----------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False) -> SendRequest:
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
         """Admit a prompt: reject what can never fit, else hold source pages for it.
 
         With ``external_pages`` the engine's own allocator owns the source pages and passes them to
-        :meth:`send` (SGLang); kvxfer then holds none."""
+        :meth:`send` (SGLang); kvxfer then holds none. With ``peer`` only that decode engine may give
+        the request its destination or reject it; any other peer's META/REJECT for it is refused."""
         with self.lock:
             if rid in self.active:
                 live = self.active[rid]
                 raise DuplicateRequest(f"already active in state {live.state.value}", rid=rid,
                                        generation=live.gen or None)
             tokens = int(tokens)
-            fsm = Lifecycle("sender", rid)
+            fsm = Lifecycle("sender", rid, observer=self.observer)
             req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
-                              local_gen=0, external=external_pages)
+                              local_gen=0, external=external_pages, expected_peer=peer)
             problem = self._admission_problem(tokens)
             if problem is not None and self.unsafe_legacy and problem[0] == "exceeds_pool":
                 # The incident's path: swap the prompt for a one-page placeholder and carry on.
@@ -224,11 +232,18 @@ class Sender:
             self.active[rid] = req
             self.stats["admitted"] += 1
             rejection = self.peer_rejections.pop(rid, None)
+            if rejection is not None and peer is not None and rejection[2] != peer:
+                rejection = None  # another decode's word about a request it does not serve
             if rejection is not None:
                 self._fail(req, AdmissionRejected(f"decode rejected it: {rejection[0].detail}",
                                                   reason=rejection[0].reason, rid=rid))
                 return req
             pending = self.pending_meta.pop(rid, None)
+            if pending is not None and peer is not None and pending[0] != peer:
+                self._error(pending[0], pending[1], PeerError(
+                    f"META from {pending[0]!r}, but the request was admitted for decode {peer!r}",
+                    rid=rid, generation=pending[1].gen))
+                pending = None
             if pending is not None:
                 self._bind_meta(req, pending[0], pending[1])
             return req
@@ -249,6 +264,16 @@ class Sender:
     # control messages from receivers ---------------------------------------------------------------
     def on_meta(self, peer: str, msg: m.Meta) -> None:
         with self.lock:
+            newest = self.meta_gen_seen.get(peer, 0)
+            if msg.gen <= newest:
+                # A receiver's generations only grow and its META messages arrive in order: this one
+                # is a replay (or a buggy peer); binding it would aim writes at an old generation.
+                self.stats["stale_meta"] += 1
+                self._error(peer, msg, StaleGeneration(
+                    f"META generation {msg.gen} is not after {newest}, the newest from this peer: replayed",
+                    rid=msg.rid, generation=msg.gen))
+                return
+            self.meta_gen_seen[peer] = msg.gen
             req = self.active.get(msg.rid)
             if req is None:
                 old = self.recent.get(msg.rid)
@@ -256,7 +281,25 @@ class Sender:
                     old.gen = msg.gen
                     self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
                     return
+                held = self.pending_meta.get(msg.rid)
+                if held is not None and held[0] != peer:
+                    self._error(peer, msg, PeerError(
+                        f"META while a destination from {held[0]!r} is already pending for it",
+                        rid=msg.rid, generation=msg.gen))
+                    return
+                if held is None and len(self.pending_meta) >= self.max_pending_meta and sum(
+                        1 for p in self.pending_meta.values() if p[0] == peer) >= self.max_pending_meta:
+                    self.stats["flood_refused"] += 1
+                    self._error(peer, msg, PeerError(
+                        f"{self.max_pending_meta} destinations from this peer already wait for requests not "
+                        "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
+                    return
                 self.pending_meta[msg.rid] = (peer, msg, self._clock() + self.meta_timeout)
+                return
+            if req.expected_peer is not None and peer != req.expected_peer:
+                self._error(peer, msg, PeerError(
+                    f"META from {peer!r}, but the request was admitted for decode {req.expected_peer!r}",
+                    rid=msg.rid, generation=msg.gen))
                 return
             if req.state is not S.ADMITTED:
                 self._error(peer, msg, StaleGeneration(
@@ -328,8 +371,18 @@ class Sender:
             if req is None:
                 # Not admitted here (yet): remember, so its admission fails at once instead of
                 # waiting for a destination that will never come.
-                self.peer_rejections[msg.rid] = (msg, self._clock() + self.meta_timeout)
+                if msg.rid not in self.peer_rejections and len(self.peer_rejections) >= self.max_pending_meta:
+                    self.stats["flood_refused"] += 1
+                    self._error(peer, msg, PeerError("too many rejections remembered for requests not admitted here",
+                                                     rid=msg.rid))
+                    return
+                self.peer_rejections[msg.rid] = (msg, self._clock() + self.meta_timeout, peer)
                 self.stats["peer_rejections_remembered"] += 1
+                return
+            owner = req.expected_peer or req.peer
+            if owner is not None and peer != owner:
+                self._error(peer, msg, PeerError(f"REJECT from {peer!r} for a request that decode {owner!r} serves",
+                                                 rid=msg.rid, generation=msg.gen))
                 return
             if req.state is not S.ADMITTED:
                 self.stats["stale_reject"] += 1
@@ -560,7 +613,7 @@ class Sender:
                     self._fail(req, TransferFailed(
                         f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
                         rid=req.rid))
-            for rid, (_msg, deadline) in list(self.peer_rejections.items()):
+            for rid, (_msg, deadline, _peer) in list(self.peer_rejections.items()):
                 if now >= deadline:
                     del self.peer_rejections[rid]
             for rid, (peer, msg, deadline) in list(self.pending_meta.items()):

@@ -83,6 +83,8 @@ class WriteGuard:
         self.refused_bytes = 0
         self.landed_bytes = 0
         self.landed_writes = 0
+        # called (under the lock) with (reason, conn, refusal or None) for every refused write
+        self.on_refused: Any = None
 
     # windows ----------------------------------------------------------------------------------
     def open(self, window: Window) -> None:
@@ -130,6 +132,8 @@ class WriteGuard:
                 level = logging.WARNING if count <= _LOG_FIRST else logging.DEBUG
                 log.log(level, "final write refused (%s): immediate %#010x (slot %d, generation mod 2^16 %d) "
                         "matches no open window on %s", reason, imm, slot, gen_low, conn)
+                if self.on_refused is not None:
+                    self.on_refused(reason, conn, None)
                 return None
             window.final_writes += 1
             window.final_bytes += nbytes
@@ -160,6 +164,8 @@ class WriteGuard:
                 count = self.refused[refusal.reason]
                 level = logging.WARNING if count <= _LOG_FIRST else logging.DEBUG
                 log.log(level, "write refused (%s, #%d of this kind): %s", refusal.reason, count, refusal)
+                if self.on_refused is not None:
+                    self.on_refused(refusal.reason, conn, refusal)
                 raise
 
     def _check(self, conn: Any, slot: int, gen: int, runs: np.ndarray) -> tuple[Window, np.ndarray]:
@@ -195,6 +201,9 @@ class WriteGuard:
         buffers = runs["buffer"].astype(np.int64)
         offsets = runs["offset"].astype(np.int64)
         lengths = runs["length"].astype(np.int64)
+        if (offsets < 0).any() or (lengths <= 0).any():  # parsers refuse these; never trust one caller
+            raise WriteRefused("write with a negative offset or a non-positive length", reason="out_of_range",
+                               rid=window.rid, generation=gen)
         if (buffers >= self.layout.num_buffers).any():
             raise WriteRefused(
                 f"write names buffer {int(buffers.max())}; the layout has {self.layout.num_buffers}",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvxfer import DecodeEngine, EngineConfig, KVLayout, PrefillEngine
+from kvxfer.auth import Keyring
 from kvxfer.transport import faults as faults_mod
 from kvxfer.transport.faults import FaultInjector
 
@@ -82,13 +83,16 @@ def engines() -> Iterator[Callable[..., Pair]]:
         allow_undersized: bool = False,
         decode_config: dict[str, Any] | None = None,
         prefill_config: dict[str, Any] | None = None,
+        keyed: bool = True,
         **common: Any,
     ) -> Pair:
         context = max_context or prefill_pages * PAGE_TOKENS
         base = EngineConfig(max_context=context, heartbeat_interval=0.2, **common)
         faults = FaultInjector(seed=1)
-        pcfg = replace(base, **{"allow_undersized_pool": allow_undersized, **(prefill_config or {})})
-        dcfg = replace(base, **(decode_config or {}))
+        rings = Keyring.cluster(["prefill", "decode"]) if keyed else {"prefill": None, "decode": None}
+        pcfg = replace(base, **{"allow_undersized_pool": allow_undersized, "keyring": rings["prefill"],
+                                **(prefill_config or {})})
+        dcfg = replace(base, **{"keyring": rings["decode"], **(decode_config or {})})
         prefill = PrefillEngine(make_layout(prefill_pages), pcfg, faults=faults)
         made.append(prefill)
         decode = DecodeEngine(make_layout(decode_pages), dcfg)

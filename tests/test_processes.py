@@ -29,7 +29,8 @@ def test_demo_exits_zero_and_reports_every_expectation(tmp_path):
     report = json.loads(out.read_text())
     assert report["ok"] is True
     steps = [o["step"] for o in report["outcomes"]]
-    assert steps == ["startup", "normal", "unsafe band", "abort", "corruption", "late write", "accounting"]
+    assert steps == ["startup", "normal", "unsafe band", "abort", "corruption", "late write", "authentication",
+                     "accounting"]
     assert all(o["ok"] for o in report["outcomes"])
     assert "all expectations held" in proc.stdout
 

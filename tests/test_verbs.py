@@ -134,7 +134,7 @@ def test_late_write_after_fence_fails_on_the_wire_and_never_lands_in_reused_page
         assert set(breq.pages.tolist()) == set(areq.pages.tolist()), "LIFO reuses the fenced pages"
         item = int(pair.prefill.layout.item_lens[0])
         before = pair.decode.layout.views()[0][breq.pages].copy()
-        spare = pair.prefill.layout.num_pages - 1  # a source page no request uses
+        spare = int(np.flatnonzero(pair.prefill.pool.ledger.state == 0)[-1])  # a source page no request uses
         pair.prefill.layout.views()[0][spare] = 0xEE
         dst = pair.decode.layout.buffers[0].address + int(breq.pages[0]) * item
         endpoint = old_link.endpoint
@@ -170,3 +170,48 @@ def test_post_rate_is_measured(engines):
     pair.decode.wait("r", timeout=60)
     link = pair.link
     assert link.wrs_posted > 0 and link.post_rate() > 0
+
+
+# hostile peers over verbs (the control plane is the same CURVE-authenticated one as tcp's) ----------
+
+
+def test_untrusted_peer_cannot_peer_over_verbs(engines):
+    from kvxfer import DecodeEngine, EngineConfig
+    from kvxfer.auth import Keyring
+    from kvxfer.errors import PeerError
+
+    from .conftest import make_layout
+
+    pair = engines(**VERBS)
+    stranger = Keyring.generate("stranger")
+    stranger.trusted.update(pair.prefill.control.keyring.trusted)
+    config = EngineConfig(max_context=16 * PAGE_TOKENS, keyring=stranger, **VERBS)
+    with DecodeEngine(make_layout(16), config) as intruder:
+        with pytest.raises(PeerError, match="no answer"):
+            intruder.connect(pair.prefill.address, timeout=2.0)
+    assert pair.prefill.counters["auth_denied"] >= 1
+    assert list(pair.prefill.peers) == [pair.decode.engine_id]
+    src = pair.transfer("ok", 2 * PAGE_TOKENS, seed=2)
+    assert pair.decode.wait("ok", timeout=60).state is R.READABLE
+    pair.expect_content("ok", src)
+
+
+@pytest.mark.parametrize("step", ["after_meta", "mid_write", "in_quarantine"])
+def test_writer_vanishing_over_verbs_loses_and_exposes_nothing(engines, step):
+    pair = engines(transport="verbs", peer_timeout=2.0)
+    pair.prefill.admit("r", 8 * PAGE_TOKENS)
+    pair.decode.admit("r", 8 * PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("r", timeout=60)
+    if step in ("mid_write", "in_quarantine"):
+        pair.faults.pause()
+        pair.prefill.send("r", count=4)
+    if step == "in_quarantine":
+        pair.decode.abort("r")
+        assert pair.decode.status("r").state is R.QUARANTINED
+    pair.prefill.close()  # its queue pair is destroyed and its heartbeats stop
+    final = pair.decode.wait("r", timeout=60)
+    assert final.state in (R.FAILED, R.ABORTED)
+    with pytest.raises(NotReadable):
+        pair.decode.read("r")
+    wait_for(lambda: pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages, timeout=30,
+             what="pages freed")

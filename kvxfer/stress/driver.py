@@ -166,6 +166,13 @@ class StressDriver:
         self.decode: NodeClient | None = None
         self.peer = ""
         self._t0 = 0.0
+        # one key pair per role (a respawned writer keeps its role's key): authenticated control plane
+        import tempfile
+
+        from ..auth import write_cluster
+
+        self._keys = tempfile.TemporaryDirectory(prefix="kvxfer-stress-keys-")
+        self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, ["prefill", "decode"])}
         self._next_sample = 0.0
         self._fault_counts_closed: Counter = Counter()
 
@@ -186,6 +193,7 @@ class StressDriver:
             "heartbeat_interval": 0.5,
             "ib_device": cfg.ib_device,
             "gid_index": cfg.gid_index,
+            "keyring": self.keyrings[role],
         }
         if cfg.transport == "verbs":
             config["peer_timeout"] = 10.0  # verbs has no EOF: a killed writer is found by its silence

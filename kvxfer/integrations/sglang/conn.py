@@ -88,6 +88,7 @@ def _engine_config(server_args: Any, pool_tokens: int) -> EngineConfig:
         meta_timeout=waiting_timeout,
         ib_device=os.environ.get("KVXFER_IB_DEVICE") or getattr(server_args, "disaggregation_ib_device", None),
         gid_index=int(gid) if gid else None,
+        keyring=os.environ.get("KVXFER_KEYRING") or None,  # a `kvxfer keygen` directory: CURVE-authenticated
     )
 
 

@@ -249,11 +249,11 @@ def test_reused_room_gets_a_new_generation_and_old_messages_cannot_touch_it(pd):
     sender2, receiver2 = _bootstrap(prefill, decode, room, src, dst, aux=(2, 2))
     assert receiver2.generation != old_gen
     sender2.send(src[:1].astype(np.int32))
+    prefill.mgr.engine.sender.on_abort = lambda peer, msg: None  # hold back the genuine ack
     receiver2.abort()
     # a drain acknowledgement of the OLD generation arrives: it must not release the new one
     stale = m.DrainAck(rid=room, gen=old_gen, posted=0, completed=0)
     prefill.mgr.engine.faults.resume()
-    prefill.mgr.engine.sender.on_abort = lambda peer, msg: None  # hold back the genuine ack
     _ordered(prefill, decode, stale)
     time.sleep(0.3)
     assert decode.mgr.is_abort_release_safe(room, 1) is False

@@ -85,6 +85,8 @@ class EngineConfig:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port); None: off
     metrics_host: str | None = None  # default: ``host``
     max_pending_meta: int = 4096  # prefill: destinations held for requests not admitted yet, per peer
+    # extra["tcp_staging"] = "host": send and land host pages through the staging buffers GPU pages
+    # use (tests and diagnostics of that pipeline on machines without a GPU)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def load_keyring(self) -> Any:
@@ -380,6 +382,7 @@ class DecodeEngine(_Engine):
                     on_ordered=self.receiver.on_ordered,
                     on_closed=self._on_data_closed,
                     checksum=config.checksum,
+                    staging=config.extra.get("tcp_staging"),
                 )
         except OSError as exc:
             self.control.close()
@@ -823,7 +826,8 @@ class PrefillEngine(_Engine):
         connect = m.Connect(engine=self.engine_id, session=peer.session, epoch=peer.epoch)
         try:
             link = TcpLink(self.layout, peer.data_addr, connect=connect, on_closed=self._on_link_closed,
-                           faults=self.faults, checksum=self.config.checksum)
+                           faults=self.faults, checksum=self.config.checksum,
+                           staging=self.config.extra.get("tcp_staging"))
         except TransportError as exc:
             log.warning("%s: %s", self.engine_id, exc)
             return

@@ -61,6 +61,13 @@ class ConfigError(KvxferError):
     code = "config"
 
 
+class GpuError(ConfigError):
+    """GPU memory cannot be used as asked: no CUDA driver API, no device, a failing CUDA call, or a
+    registration path (dma-buf, nvidia-peermem) that this machine lacks."""
+
+    code = "gpu"
+
+
 class CapacityError(ConfigError):
     """The startup capacity invariant failed: the pool holds fewer tokens than the context."""
 
@@ -200,6 +207,7 @@ ERROR_CLASSES: dict[str, type[KvxferError]] = {
     for cls in (
         KvxferError,
         ConfigError,
+        GpuError,
         CapacityError,
         AdmissionRejected,
         PoolExhausted,

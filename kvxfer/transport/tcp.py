@@ -34,13 +34,14 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..errors import ProtocolError, TransportError, WriteRefused
+from ..errors import KvxferError, ProtocolError, TransportError, WriteRefused
 from ..layout import KVLayout
 from ..runs import WriteBatch
 from ..wire import frames as f
 from ..wire import messages as m
 from ..writeguard import WriteGuard
 from .faults import FaultInjector
+from .staging import Staging, copy_engine
 
 log = logging.getLogger("kvxfer.tcp")
 
@@ -123,18 +124,22 @@ class TcpReceiver:
         on_ordered: Callable[[Any, m.Message], None],
         on_closed: Callable[[Any, str], None],
         checksum: Any = None,
+        staging: str | None = None,
     ) -> None:
         from ..checksum import ChecksumAlgo, native_id
 
         self.layout = layout
         self.guard = guard
+        self._staging_mode = staging
+        self._stages = copy_engine(layout, staging) is not None  # GPU pages: land via pinned buffers
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)
         self._sum_initial = algo.initial if self._sum_fn is not None else 0
         self._on_connect = on_connect
         self._on_ordered = on_ordered
         self._on_closed = on_closed
-        self._dst = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._dst = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+                     if layout.device == "cpu" else [])
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         self._listener = socket.create_server((host, port), backlog=64)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -172,7 +177,10 @@ class TcpReceiver:
         header_view = memoryview(header_buf)
         scratch = memoryview(bytearray(_SCRATCH))
         reason = "closed"
+        staging = None
         try:
+            if self._stages:
+                staging = Staging(copy_engine(self.layout, self._staging_mode), FRAME_MAX_BYTES)
             recv_exact(sock, header_view)
             header = f.parse_header(header_buf)
             if header.kind is not f.FrameKind.CONNECT:
@@ -196,7 +204,7 @@ class TcpReceiver:
                 t0 = time.perf_counter()
                 header = f.parse_header(header_buf)
                 if header.kind is f.FrameKind.WRITE:
-                    self._land_write(sock, inbound.conn_id, header, scratch)
+                    self._land_write(sock, inbound.conn_id, header, scratch, staging)
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED:
@@ -210,6 +218,8 @@ class TcpReceiver:
                             f"ORDERED frame tagged generation {header.generation} carries {msg.TYPE} "
                             f"for generation {msg.gen}"
                         )
+                    if staging is not None:
+                        staging.drain()  # every earlier write is in the pages before this is acted on
                     self._on_ordered(inbound.conn_id, msg)
                 else:
                     raise ProtocolError("second CONNECT on one connection")
@@ -220,9 +230,15 @@ class TcpReceiver:
         except (ConnectionError, OSError) as exc:
             reason = f"connection lost: {exc}"
         finally:
+            if staging is not None:
+                try:
+                    staging.close()  # nothing lands after the connection is reported closed
+                except Exception as exc:  # a failing GPU copy: the connection is over either way
+                    log.error("data connection %s: staging copies failed: %s", inbound.conn_id, exc)
             self._finish(inbound, reason)
 
-    def _land_write(self, sock: socket.socket, conn_id: Any, header: f.FrameHeader, scratch: memoryview) -> None:
+    def _land_write(self, sock: socket.socket, conn_id: Any, header: f.FrameHeader, scratch: memoryview,
+                    staging: Staging | None = None) -> None:
         body = bytearray(header.body_len)
         recv_exact(sock, memoryview(body))
         runs = f.parse_runs(header, body)
@@ -236,6 +252,11 @@ class TcpReceiver:
                 remaining -= chunk
             return
         t0 = time.perf_counter()
+        if staging is not None:
+            sums = self._land_staged(sock, runs, header.payload_len, staging)
+            self.payload_seconds += time.perf_counter() - t0
+            self.guard.record(window, runs, counts, sums)
+            return
         sums = None
         if native.lib is not None:
             addresses = self._dst_base[runs["buffer"]] + runs["offset"]
@@ -254,6 +275,28 @@ class TcpReceiver:
                 recv_exact(sock, self._dst[buffer][offset : offset + length])
         self.payload_seconds += time.perf_counter() - t0
         self.guard.record(window, runs, counts, sums)
+
+    def _land_staged(self, sock: socket.socket, runs: np.ndarray, payload_len: int, staging: Staging) -> Any:
+        """Receive a WRITE payload into a staging buffer, then copy its runs to the pages (async)."""
+        buffer, base = staging.take()
+        lengths = runs["length"].astype(np.uint64)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+        sums = None
+        if native.lib is not None:
+            addresses = np.uint64(base) + starts
+            if self._sum_fn is not None:
+                items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
+                raw = native.lib.recv_runs_summed(sock.fileno(), addresses.tobytes(), lengths.tobytes(),
+                                                  items.tobytes(), self._sum_fn, self._sum_initial, SUM_CHUNK)
+                sums = np.frombuffer(raw, dtype=np.uint32)
+            else:
+                native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
+        else:
+            recv_exact(sock, memoryview(buffer)[:payload_len])
+        destinations = self._dst_base[runs["buffer"]] + runs["offset"]
+        staging.engine.scatter(destinations, base, lengths)
+        staging.mark_pending()
+        return sums
 
     def _finish(self, inbound: _Inbound, reason: str) -> None:
         with self._lock:
@@ -357,6 +400,7 @@ class TcpLink:
         faults: FaultInjector | None = None,
         timeout: float = 10.0,
         checksum: Any = None,
+        staging: str | None = None,
     ) -> None:
         from ..checksum import ChecksumAlgo, native_id
 
@@ -369,8 +413,11 @@ class TcpLink:
         self.epoch = connect.epoch
         self._on_closed = on_closed
         self.faults = faults
-        self._src = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+                     if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        engine = copy_engine(layout, staging)  # GPU pages: leave via pinned buffers
+        self._staging = Staging(engine, FRAME_MAX_BYTES) if engine is not None else None
         host, port = parse_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -437,6 +484,9 @@ class TcpLink:
                 self.frames_sent += 1
         except OSError as exc:
             reason = f"connection lost: {exc}"
+        except KvxferError as exc:  # a failing staging copy (GPU): the connection cannot go on
+            reason = f"staging failed: {exc}"
+            log.error("data connection to %s: %s", self.address, reason)
         finally:
             self._shutdown(reason)
 
@@ -457,6 +507,9 @@ class TcpLink:
             return self._queue.popleft()
 
     def _send_batch(self, job: _WriteJob) -> None:
+        if self._staging is not None:
+            self._send_batch_staged(job)
+            return
         batch = job.batch
         total = len(batch)
         start = 0
@@ -473,13 +526,61 @@ class TcpLink:
             job.on_complete(batch, end - start, 0)
             start = end
 
-    def _send_frame(self, batch: WriteBatch, start: int, end: int, size: int) -> None:
+    def _frames(self, batch: WriteBatch) -> list[tuple[int, int, int]]:
+        """``(start, end, bytes)`` of each frame the batch is cut into."""
+        out = []
+        total = len(batch)
+        start = 0
+        while start < total:
+            end = start + 1
+            size = int(batch.lengths[start])
+            while end < total and end - start < FRAME_MAX_RUNS and size + int(batch.lengths[end]) <= FRAME_MAX_BYTES:
+                size += int(batch.lengths[end])
+                end += 1
+            out.append((start, end, size))
+            start = end
+        return out
+
+    def _send_batch_staged(self, job: _WriteJob) -> None:
+        """Frame k leaves from one staging buffer while frame k+1 is copied into the other."""
+        assert self._staging is not None
+        batch = job.batch
+        frames = self._frames(batch)
+        staging = self._staging
+
+        def stage(index: int) -> tuple[np.ndarray, int]:
+            start, end, _ = frames[index]
+            buffer, base = staging.take()
+            sources = self._src_base[batch.buffers[start:end]] + batch.src_offsets[start:end].astype(np.uint64)
+            staging.engine.gather(base, sources, batch.lengths[start:end].astype(np.uint64))
+            staging.mark_pending()
+            return buffer, base
+
+        staged = stage(0) if frames else None
+        for index, (start, end, size) in enumerate(frames):
+            if batch.cancelled:
+                staging.drain()
+                job.on_complete(batch, 0, len(batch) - start)
+                return
+            staging.drain()  # frame ``index`` is in its buffer
+            current = staged
+            staged = stage(index + 1) if index + 1 < len(frames) else None  # overlaps the send below
+            self._send_frame(batch, start, end, size, current)
+            job.on_complete(batch, end - start, 0)
+        staging.drain()
+
+    def _send_frame(self, batch: WriteBatch, start: int, end: int, size: int,
+                    staged: tuple[np.ndarray, int] | None = None) -> None:
         buffers = batch.buffers[start:end]
         header = f.write_header(batch.slot, batch.gen, end - start, size)
         runs = f.pack_runs(buffers, batch.dst_offsets[start:end], batch.lengths[start:end])
         if self.faults is None and native.lib is not None:
-            addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
             lengths = batch.lengths[start:end].astype(np.uint64)
+            if staged is not None:  # the runs lie back to back in the staging buffer
+                starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+                addresses = np.uint64(staged[1]) + starts
+            else:
+                addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
             if self._sum_fn is None or batch.sums_ready is not None:
                 native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
             else:
@@ -490,11 +591,14 @@ class TcpLink:
                 self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), end == len(batch))
             self.bytes_sent += size
             return
-        payload: list[Any] = [
-            self._src[b][o : o + n]
-            for b, o, n in zip(buffers.tolist(), batch.src_offsets[start:end].tolist(),
-                               batch.lengths[start:end].tolist())
-        ]
+        if staged is not None:
+            payload: list[Any] = [memoryview(staged[0])[:size]]
+        else:
+            payload = [
+                self._src[b][o : o + n]
+                for b, o, n in zip(buffers.tolist(), batch.src_offsets[start:end].tolist(),
+                                   batch.lengths[start:end].tolist())
+            ]
         if self.faults is not None:
             decision = self.faults.on_write(batch)
             if decision["slow"]:
@@ -541,6 +645,11 @@ class TcpLink:
             self._sock.close()
         except OSError:  # pragma: no cover
             pass
+        if self._staging is not None:
+            try:
+                self._staging.close()
+            except KvxferError as exc:
+                log.error("data connection to %s: releasing staging buffers: %s", self.address, exc)
         if not self._reported:
             self._reported = True
             self._on_closed(self, reason)

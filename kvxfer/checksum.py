@@ -102,10 +102,20 @@ def page_runs(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def checksum_pages(layout: KVLayout, pages: np.ndarray, algo: ChecksumAlgo | str) -> int:
-    """Checksum of ``pages`` of ``layout`` in canonical order (host layouts)."""
+    """Checksum of ``pages`` of ``layout`` in canonical order.
+
+    Host layouts are read by zlib-ng (in C when built); GPU layouts by a kernel that returns one
+    checksum per page and buffer, combined here, so verifying GPU pages never copies them."""
     algo = ChecksumAlgo.parse(algo)
     if algo is ChecksumAlgo.NONE:
         return 0
+    if layout.device == "cuda":
+        from .gpu.kernels import item_checksums  # lazy: GPU only
+
+        pages = np.asarray(pages, dtype=np.int64)
+        values = item_checksums(layout, pages, algo.value)
+        lengths = np.repeat(layout.item_lens.astype(np.int64), pages.size)
+        return combine(algo, values, lengths)
     value = algo.initial
     starts, lengths = page_runs(pages)
     algo_id = native_id(algo)

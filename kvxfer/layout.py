@@ -92,18 +92,22 @@ class KVLayout:
         item_lens: Sequence[int],
         *,
         page_size: int,
+        device: str = "auto",
     ) -> KVLayout:
-        """SGLang's description: per-buffer base pointer, total bytes and bytes per page (host)."""
+        """SGLang's description: per-buffer base pointer, total bytes and bytes per page.
+
+        ``device`` says where the pointers point: ``"cpu"``, ``"cuda"``, or ``"auto"`` (ask the CUDA
+        driver when one is installed, else host memory)."""
         if not (len(data_ptrs) == len(data_lens) == len(item_lens)):
             raise ConfigError("data_ptrs, data_lens and item_lens must have the same length")
         pages = {int(n) // int(i) for n, i in zip(data_lens, item_lens) if int(i) > 0}
         if len(pages) != 1:
             raise ConfigError(f"buffers disagree on the page count: {sorted(pages)}")
         num_pages = pages.pop()
-        from .memory import HostRegion
+        from .memory import region_at
 
         specs = [
-            BufferSpec(HostRegion.from_pointer(p, n, name=f"buffer{i}"), 0, int(item))
+            BufferSpec(region_at(int(p), int(n), device=device, name=f"buffer{i}"), 0, int(item))
             for i, (p, n, item) in enumerate(zip(data_ptrs, data_lens, item_lens))
         ]
         return cls(specs, num_pages=num_pages, page_size=page_size)

@@ -149,6 +149,31 @@ def _gpu_region(obj: Any, *, name: str) -> MemoryRegion:
     return gpu_region(obj, name=name)
 
 
+def region_at(address: int, nbytes: int, *, device: str = "auto", name: str = "") -> MemoryRegion:
+    """A region over memory someone else allocated (an engine's KV buffers), host or GPU.
+
+    With ``device="auto"`` the CUDA driver, when installed, says whether ``address`` is device
+    memory; without one the memory is host memory."""
+    if device == "auto":
+        device = "cpu"
+        try:
+            from .gpu import available
+            from .gpu.driver import pointer_device
+
+            if available()[0]:
+                pointer_device(address)
+                device = "cuda"
+        except ConfigError:  # not a device pointer (or no CUDA): host memory
+            device = "cpu"
+    if device == "cpu":
+        return HostRegion.from_pointer(address, nbytes, name=name)
+    if device == "cuda":
+        from .gpu.region import CudaRegion
+
+        return CudaRegion.from_pointer(address, nbytes, name=name)
+    raise ConfigError(f"region {name!r}: unknown device {device!r} (cpu, cuda or auto)")
+
+
 def allocate_host(nbytes: int, *, name: str = "", prefault: bool = True) -> HostRegion:
     """Allocate page-aligned anonymous host memory for a region (used by tools and tests)."""
     size = max(int(nbytes), 1)

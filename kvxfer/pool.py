@@ -127,6 +127,12 @@ class PagePool:
         """Apply the free policy to ``pages`` (all buffers)."""
         if self.free_policy is FreePolicy.KEEP or pages.size == 0:
             return
+        if self.layout.device == "cuda":
+            from .gpu.kernels import scrub  # lazy: GPU only
+
+            scrub(self.layout, pages, zero=self.free_policy is FreePolicy.ZERO,
+                  poison_offsets=self._poison_offsets, pattern=POISON_PATTERN)
+            return
         views = self.layout.views()
         if self.free_policy is FreePolicy.ZERO:
             for view in views:
@@ -141,6 +147,13 @@ class PagePool:
         if self.free_policy is not FreePolicy.POISON or pages.size == 0:
             return np.empty(0, dtype=np.int64)
         hit = np.zeros(pages.size, dtype=bool)
+        if self.layout.device == "cuda":
+            from .gpu.kernels import read_words  # lazy: GPU only
+
+            for b, offsets in enumerate(self._poison_offsets):
+                words = read_words(self.layout, pages, b, offsets)
+                hit |= (words == self._poison).all(axis=2).any(axis=1)
+            return pages[hit]
         for view, offsets in zip(self.layout.views(), self._poison_offsets):
             for off in offsets:
                 hit |= (view[pages, off : off + 8] == self._poison).all(axis=1)

@@ -1,22 +1,45 @@
-"""GPU memory support (CUDA regions, GPU checksums and scrubbing).
+"""GPU memory support: CUDA regions, RDMA registration of GPU memory, GPU checksums and scrubbing.
 
-Imported lazily, only when GPU memory is registered, so the CPU install never loads CUDA libraries.
-This build registers host memory only; GPU regions arrive with GPU support.
+Imported lazily, only when GPU memory is registered (``kvxfer.memory.as_region`` on a torch CUDA
+tensor or a cupy array), so the CPU install never loads CUDA libraries. What it needs at run time:
+the CUDA driver (``libcuda``) and cuda-python (``pip install 'kvxfer[gpu]'``); the kernels ship as
+PTX that the driver compiles, so no CUDA toolkit is needed.
+
+* :mod:`.region`: :class:`CudaRegion` and its RDMA registration (dma-buf, else nvidia-peermem);
+* :mod:`.driver`: the driver API (contexts, streams, pinned memory, copies, dma-buf export, kernels);
+* :mod:`.kernels`: per-item checksums and scrubbing on the GPU, and the host math they rely on.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError, GpuError
 
 
 def gpu_region(obj: Any, *, name: str = "") -> Any:
-    raise ConfigError(
-        f"region {name!r}: {type(obj).__module__}.{type(obj).__name__} lives in GPU memory, "
-        "which this build of kvxfer cannot register yet"
-    )
+    """A :class:`~kvxfer.gpu.region.CudaRegion` for a torch CUDA tensor or cupy array."""
+    from .region import gpu_region as make
+
+    return make(obj, name=name)
 
 
 def require_gpu_scrubber() -> None:
-    raise ConfigError("free policies zero/poison on GPU memory are not supported by this build")
+    """Raise unless the zero/poison free policies can run on this machine's GPU."""
+    from .driver import available
+
+    ok, why = available()
+    if not ok:
+        raise GpuError(f"free policies zero/poison on GPU memory need the CUDA driver API: {why}")
+
+
+def available() -> tuple[bool, str]:
+    """Whether GPU memory can be used here, and why not."""
+    try:
+        from .driver import available as driver_available
+    except ImportError as exc:  # pragma: no cover - numpy missing
+        return False, str(exc)
+    return driver_available()
+
+
+__all__ = ["ConfigError", "GpuError", "available", "gpu_region", "require_gpu_scrubber"]

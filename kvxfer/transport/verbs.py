@@ -173,7 +173,10 @@ class VerbsDevice:
         for region in layout.regions:
             self.mrs[id(region)] = register_region(self, region, access)
         self.buffer_mr = [self.mrs[id(spec.region)] for spec in layout.buffers]
-        self.buffer_addr = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        # the address each buffer's byte 0 has in work requests: its virtual address for host MRs,
+        # its dma-buf offset for GPU memory registered through a dma-buf (the MR's iova)
+        self.buffer_addr = np.array([wire_address(self.mrs[id(spec.region)], spec) for spec in layout.buffers],
+                                    dtype=np.uint64)
         self.buffer_lkey = np.array([mr.lkey for mr in self.buffer_mr], dtype=np.uint32)
         self.buffer_rkey = np.array([mr.rkey for mr in self.buffer_mr], dtype=np.uint32)
         self.scratch = pv.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
@@ -232,6 +235,14 @@ def register_region(device: VerbsDevice, region: MemoryRegion, access: int) -> A
     if register is None:
         raise ConfigError(f"region {region.name!r} ({region.device}) cannot be registered for RDMA by this build")
     return register(device, access)
+
+
+def wire_address(registration: Any, spec: Any) -> int:
+    """Work-request address of ``spec``'s first byte under ``registration``."""
+    iova = getattr(registration, "iova", None)
+    if iova is None:
+        return int(spec.address)
+    return int(iova) + int(spec.address - spec.region.address)
 
 
 class Endpoint:

@@ -148,12 +148,9 @@ class PagePool:
             return np.empty(0, dtype=np.int64)
         hit = np.zeros(pages.size, dtype=bool)
         if self.layout.device == "cuda":
-            from .gpu.kernels import read_words  # lazy: GPU only
+            from .gpu.kernels import poisoned_pages  # lazy: GPU only
 
-            for b, offsets in enumerate(self._poison_offsets):
-                words = read_words(self.layout, pages, b, offsets)
-                hit |= (words == self._poison).all(axis=2).any(axis=1)
-            return pages[hit]
+            return poisoned_pages(self.layout, pages, self._poison_offsets, POISON_PATTERN)
         for view, offsets in zip(self.layout.views(), self._poison_offsets):
             for off in offsets:
                 hit |= (view[pages, off : off + 8] == self._poison).all(axis=1)

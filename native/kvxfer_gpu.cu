@@ -29,23 +29,43 @@ __device__ __forceinline__ const u8* item_ptr(const u64* bases, const u64* item_
 // Adler-32. For bytes d_0..d_{L-1} from the initial value 1:
 //   A = 1 + sum d_k,   B = L + sum (L - k) d_k   (mod 65521)
 // Both sums are linear in the bytes, so threads take strided 16-byte chunks and a block reduces.
-// For a chunk starting at byte j with s = sum d and t = sum k*d (k = 0..15 within the chunk),
-// its share of the second sum is (L - j) * s - t.
+// For a chunk starting at byte j with s = sum d and t = sum m*d (m = 0..15 within the chunk),
+// its share of the second sum is (L - j) * s - t. The weight (L - j) mod 65521 is stepped down by
+// the stride each round (no division in the loop); s and t are four byte dot products each.
+// Bytes before the first 16-byte boundary and after the last whole chunk go one by one.
+// Overflow: per round sb_pos grows by < 65521 * 4080 < 2^28, so 64-bit sums hold 2^36 rounds.
 
-__device__ __forceinline__ void chunk_sums(uint4 v, u64* s, u64* t) {
-    u32 words[4] = {v.x, v.y, v.z, v.w};
-    u64 ss = 0, tt = 0;
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            u32 d = (words[w] >> (8 * k)) & 0xffu;
-            ss += d;
-            tt += (u64)(4 * w + k) * d;
-        }
-    }
+// c + the sum of the four byte products of a and b (PTX dp4a; plain C where the source runs on a CPU)
+__device__ __forceinline__ u32 dot4(u32 a, u32 b, u32 c) {
+#ifdef __CUDA_ARCH__
+    u32 r;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#else
+    for (int k = 0; k < 4; k++) c += ((a >> (8 * k)) & 0xffu) * ((b >> (8 * k)) & 0xffu);
+    return c;
+#endif
+}
+
+__device__ __forceinline__ void chunk_sums(uint4 v, u32* s, u32* t) {
+    u32 ss = dot4(v.x, 0x01010101u, 0u);
+    ss = dot4(v.y, 0x01010101u, ss);
+    ss = dot4(v.z, 0x01010101u, ss);
+    ss = dot4(v.w, 0x01010101u, ss);
+    u32 tt = dot4(v.x, 0x03020100u, 0u);
+    tt = dot4(v.y, 0x07060504u, tt);
+    tt = dot4(v.z, 0x0b0a0908u, tt);
+    tt = dot4(v.w, 0x0f0e0d0cu, tt);
     *s = ss;
     *t = tt;
+}
+
+// [head, vec_end) is the part of the item made of whole 16-byte chunks on 16-byte boundaries
+__device__ __forceinline__ void vector_part(const u8* p, u64 L, u64* head, u64* vec_end) {
+    u64 h = (16u - (((u64)p) & 15u)) & 15u;
+    if (h > L) h = L;
+    *head = h;
+    *vec_end = h + ((L - h) & ~(u64)15);
 }
 
 extern "C" __global__ void adler32_items(const u64* bases, const u64* item_lens, const long long* pages,
@@ -55,27 +75,26 @@ extern "C" __global__ void adler32_items(const u64* bases, const u64* item_lens,
     int item = blockIdx.x;
     const u8* p = item_ptr(bases, item_lens, pages, npages, item);
     u64 L = item_lens[item / npages];
+    u64 head, vec_end;
+    vector_part(p, L, &head, &vec_end);
     u64 sa = 0, sb_pos = 0, sb_neg = 0;
-    u64 vec_end = ((((u64)p) & 15u) == 0) ? (L & ~(u64)15) : 0;  // the aligned 16-byte part
-    int rounds = 0;
-    for (u64 j = (u64)threadIdx.x * 16; j < vec_end; j += (u64)blockDim.x * 16) {
-        uint4 v = *(const uint4*)(p + j);
-        u64 s, t;
-        chunk_sums(v, &s, &t);
+    u64 stride = (u64)blockDim.x * 16;
+    u32 step = (u32)(stride % ADLER_MOD);
+    u64 j = head + (u64)threadIdx.x * 16;
+    u32 w = (u32)((L - (j < L ? j : L)) % ADLER_MOD);  // (L - j) mod 65521 for this thread's first chunk
+    for (; j < vec_end; j += stride) {
+        u32 s, t;
+        chunk_sums(*(const uint4*)(p + j), &s, &t);
         sa += s;
-        sb_pos += ((L - j) % ADLER_MOD) * s;
+        sb_pos += (u64)w * s;
         sb_neg += t;
-        if (++rounds == 4096) {  // keep the 64-bit sums far from overflow
-            sa %= ADLER_MOD;
-            sb_pos %= ADLER_MOD;
-            sb_neg %= ADLER_MOD;
-            rounds = 0;
-        }
+        w = (w >= step) ? w - step : w + ADLER_MOD - step;
     }
-    for (u64 j = vec_end + threadIdx.x; j < L; j += blockDim.x) {  // the unaligned rest, byte by byte
-        u64 d = p[j];
+    for (u64 k = threadIdx.x; k < head + (L - vec_end); k += blockDim.x) {  // the odd bytes
+        u64 jj = k < head ? k : vec_end + (k - head);
+        u64 d = p[jj];
         sa += d;
-        sb_pos += ((L - j) % ADLER_MOD) * d;
+        sb_pos += ((L - jj) % ADLER_MOD) * d;
     }
     u64 a = sa % ADLER_MOD;
     u64 b = (sb_pos % ADLER_MOD + ADLER_MOD - sb_neg % ADLER_MOD) % ADLER_MOD;
@@ -91,9 +110,9 @@ extern "C" __global__ void adler32_items(const u64* bases, const u64* item_lens,
     __syncthreads();
     if (threadIdx.x == 0) {
         u64 ta = 0, tb = 0;
-        for (int w = 0; w < (int)((blockDim.x + 31) / 32); w++) {
-            ta += red_a[w];
-            tb += red_b[w];
+        for (int wp = 0; wp < (int)((blockDim.x + 31) / 32); wp++) {
+            ta += red_a[wp];
+            tb += red_b[wp];
         }
         u32 A = (u32)((1 + ta) % ADLER_MOD);
         u32 B = (u32)((L % ADLER_MOD + tb) % ADLER_MOD);
@@ -117,6 +136,13 @@ __device__ __forceinline__ u32 gf2_mulmod(u32 a, u32 b) {  // reflected bit orde
     return product;
 }
 
+__device__ __forceinline__ u32 crc_word(const u32* table, u32 c, u32 w) {  // four bytes, little-endian
+    c = table[(c ^ w) & 0xffu] ^ (c >> 8);
+    c = table[(c ^ (w >> 8)) & 0xffu] ^ (c >> 8);
+    c = table[(c ^ (w >> 16)) & 0xffu] ^ (c >> 8);
+    return table[(c ^ (w >> 24)) & 0xffu] ^ (c >> 8);
+}
+
 extern "C" __global__ void crc32_items(const u64* bases, const u64* item_lens, const long long* pages,
                                        int npages, const int* threads_per_item, const u32* shift_ops,
                                        u32* out) {
@@ -138,14 +164,17 @@ extern "C" __global__ void crc32_items(const u64* bases, const u64* item_lens, c
         const u8* q = p + (u64)threadIdx.x * C;
         u32 c = 0xffffffffu;
         u64 k = 0;
-        if ((((u64)q) & 3u) == 0) {
-            for (; k + 4 <= C; k += 4) {
-                u32 w = *(const u32*)(q + k);
-                c = table[(c ^ w) & 0xffu] ^ (c >> 8);
-                c = table[(c ^ (w >> 8)) & 0xffu] ^ (c >> 8);
-                c = table[(c ^ (w >> 16)) & 0xffu] ^ (c >> 8);
-                c = table[(c ^ (w >> 24)) & 0xffu] ^ (c >> 8);
+        if ((((u64)q) & 15u) == 0) {
+            for (; k + 16 <= C; k += 16) {
+                uint4 v = *(const uint4*)(q + k);
+                c = crc_word(table, c, v.x);
+                c = crc_word(table, c, v.y);
+                c = crc_word(table, c, v.z);
+                c = crc_word(table, c, v.w);
             }
+        }
+        if ((((u64)(q + k)) & 3u) == 0) {
+            for (; k + 4 <= C; k += 4) c = crc_word(table, c, *(const u32*)(q + k));
         }
         for (; k < C; k++) c = table[(c ^ q[k]) & 0xffu] ^ (c >> 8);
         partial[threadIdx.x] = c ^ 0xffffffffu;
@@ -174,14 +203,37 @@ extern "C" __global__ void scrub_items(const u64* bases, const u64* item_lens, c
     u8* p = (u8*)item_ptr(bases, item_lens, pages, npages, item);
     u64 L = item_lens[b];
     if (mode == 0) {
-        u64 vec_end = ((((u64)p) & 15u) == 0) ? (L & ~(u64)15) : 0;
+        u64 head, vec_end;
+        vector_part(p, L, &head, &vec_end);
         uint4 zero = make_uint4(0, 0, 0, 0);
-        for (u64 j = (u64)threadIdx.x * 16; j < vec_end; j += (u64)blockDim.x * 16) *(uint4*)(p + j) = zero;
-        for (u64 j = vec_end + threadIdx.x; j < L; j += blockDim.x) p[j] = 0;
+        for (u64 j = head + (u64)threadIdx.x * 16; j < vec_end; j += (u64)blockDim.x * 16) *(uint4*)(p + j) = zero;
+        for (u64 k = threadIdx.x; k < head + (L - vec_end); k += blockDim.x) p[k < head ? k : vec_end + (k - head)] = 0;
         return;
     }
     for (int k = threadIdx.x; k < noffsets[b]; k += blockDim.x) {
         u64 off = poison_offsets[b * max_offsets + k];
         for (int byte = 0; byte < 8; byte++) p[off + byte] = (u8)(pattern >> (8 * byte));
     }
+}
+
+// Which items still carry the poison pattern at one of their buffer's poison offsets: out[item] is
+// 1 if any of them does, else 0 (a page nobody wrote since it was freed under the poison policy).
+
+extern "C" __global__ void find_poison_items(const u64* bases, const u64* item_lens, const long long* pages,
+                                             int npages, const u64* poison_offsets, const int* noffsets,
+                                             int max_offsets, u64 pattern, u32* out) {
+    __shared__ int found;
+    int item = blockIdx.x;
+    int b = item / npages;
+    const u8* p = item_ptr(bases, item_lens, pages, npages, item);
+    if (threadIdx.x == 0) found = 0;
+    __syncthreads();
+    for (int k = threadIdx.x; k < noffsets[b]; k += blockDim.x) {
+        u64 off = poison_offsets[b * max_offsets + k];
+        u64 word = 0;
+        for (int byte = 0; byte < 8; byte++) word |= (u64)p[off + byte] << (8 * byte);
+        if (word == pattern) atomicOr(&found, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out[item] = (u32)found;
 }

@@ -18,7 +18,6 @@ Needs: the CUDA driver, cuda-python, numpy and kvxfer's own dependencies; torch 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -146,27 +145,15 @@ def check_speed(gib: float) -> None:
         for item in (4096, 65536, 1 << 20):
             pages = nbytes // item
             page_list = np.random.default_rng(2).permutation(pages).astype(np.int64)
-            args = [driver.DeviceArray(x, 0, stream) for x in (
-                np.array([src.address], dtype=np.uint64), np.array([item], dtype=np.uint64), page_list)]
-            out = driver.DeviceArray(np.zeros(pages, dtype=np.uint32), 0, stream)
-            threads, ops = K.crc_plan(np.array([item], dtype=np.uint64))
-            crc_args = [driver.DeviceArray(threads, 0, stream), driver.DeviceArray(ops, 0, stream)]
             for algo in ("adler32", "crc32"):
+                call = K.checksum_call(np.array([src.address]), np.array([item]), page_list, algo)
                 rates = []
-                for _ in range(5):
-                    driver.check(cuda.cuEventRecord(start, stream.handle), "cuEventRecord")
-                    if algo == "adler32":
-                        driver.launch(0, "adler32_items", pages, K.BLOCK, stream, [
-                            (args[0].address, ctypes.c_void_p), (args[1].address, ctypes.c_void_p),
-                            (args[2].address, ctypes.c_void_p), (pages, ctypes.c_int), (out.address, ctypes.c_void_p)])
-                    else:
-                        driver.launch(0, "crc32_items", pages, K.BLOCK, stream, [
-                            (args[0].address, ctypes.c_void_p), (args[1].address, ctypes.c_void_p),
-                            (args[2].address, ctypes.c_void_p), (pages, ctypes.c_int),
-                            (crc_args[0].address, ctypes.c_void_p), (crc_args[1].address, ctypes.c_void_p),
-                            (out.address, ctypes.c_void_p)])
-                    driver.check(cuda.cuEventRecord(stop, stream.handle), "cuEventRecord")
-                    rates.append(nbytes / _elapsed(start, stop))
+                with K.PreparedCall(0, call, stream) as prepared:
+                    for _ in range(5):
+                        driver.check(cuda.cuEventRecord(start, stream.handle), "cuEventRecord")
+                        prepared.launch()
+                        driver.check(cuda.cuEventRecord(stop, stream.handle), "cuEventRecord")
+                        rates.append(nbytes / _elapsed(start, stop))
                 rate = float(np.median(rates[1:]))
                 ratio = rate / copy_bw
                 needed = 0.5 if algo == "adler32" else 0.0  # the acceptance bar is on the default (adler32)
@@ -174,8 +161,6 @@ def check_speed(gib: float) -> None:
                        f"{rate / 1e9:.0f} GB/s = {ratio:.2f} x the D2D copy's {copy_bw / 1e9:.0f} GB/s "
                        f"({nbytes / 2**30:.1f} GiB, random page order)",
                        gbps=rate / 1e9, copy_gbps=copy_bw / 1e9, ratio=ratio)
-            for array in [*args, out, *crc_args]:
-                array.close()
     src.close()
     dst.close()
 
@@ -299,10 +284,19 @@ def check_scrub() -> None:
     PagePool(layout, free_policy="zero").scrub(pages)
     data = [b.fetch().reshape(64, 4096) for b in buffers]
     zero_ok = all((d[pages] == 0).all() and (np.delete(d, pages, axis=0) != 0).any() for d in data)
-    pool = PagePool(layout, free_policy="poison")
-    poison_ok = set(pool.poisoned(np.arange(64)).tolist()) == set(range(64))
+    pool = PagePool(layout, free_policy="poison")  # poisons every page at start
+    at_start = pool.poisoned(np.arange(64)).size == 64
+    for b in buffers:
+        b.fill_random(seed=7)
+    pool.scrub(pages)
+    marked = set(pool.poisoned(np.arange(64)).tolist()) if at_start else set()
+    for b in buffers:
+        b.fill_random(seed=6)  # a writer overwrote everything: no page may still look unwritten
+    cleared = pool.poisoned(np.arange(64)).size == 0
+    poison_ok = marked == set(pages.tolist()) and cleared
     record("scrub on free (GPU)", zero_ok and poison_ok,
-           f"zero: only the 4 freed pages cleared ({zero_ok}); poison: every page marked ({poison_ok})")
+           f"zero: only the 4 freed pages cleared ({zero_ok}); poison: exactly the freed pages found "
+           f"({marked == set(pages.tolist())}), none after a rewrite ({cleared})")
     for b in buffers:
         b.close()
 

@@ -15,6 +15,7 @@ machines without a GPU; ``tools/gpu_check.py`` checks the kernels themselves on 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,20 +77,22 @@ def crc_plan(item_lens: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.
 # the kernels' decomposition, in Python -----------------------------------------------------------------
 
 
-def emulate_adler32_item(data: bytes, *, block: int = BLOCK, aligned: bool = True) -> int:
-    """What adler32_items computes for one item: strided 16-byte chunks, a byte tail, a reduction."""
+def emulate_adler32_item(data: bytes, *, block: int = BLOCK, misalign: int = 0) -> int:
+    """What adler32_items computes for one item starting ``misalign`` bytes past a 16-byte boundary:
+    strided 16-byte chunks, the odd bytes at both ends one by one, a reduction."""
     d = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
     length = d.size
-    vec_end = length & ~15 if aligned else 0
-    chunks = d[:vec_end].reshape(-1, 16)
+    head = min((16 - misalign % 16) % 16, length)
+    vec_end = head + ((length - head) & ~15)
+    chunks = d[head:vec_end].reshape(-1, 16)
     s = chunks.sum(axis=1)
     t = (chunks * np.arange(16)).sum(axis=1)
-    starts = np.arange(chunks.shape[0], dtype=np.int64) * 16
+    starts = head + np.arange(chunks.shape[0], dtype=np.int64) * 16
     sa = int(s.sum())
     sb = int((((length - starts) % ADLER_MOD) * s).sum()) - int(t.sum())
-    tail = np.arange(vec_end, length, dtype=np.int64)
-    sa += int(d[vec_end:].sum())
-    sb += int((((length - tail) % ADLER_MOD) * d[vec_end:]).sum())
+    odd = np.concatenate([np.arange(head), np.arange(vec_end, length)]).astype(np.int64)
+    sa += int(d[odd].sum())
+    sb += int((((length - odd) % ADLER_MOD) * d[odd]).sum())
     a = (1 + sa) % ADLER_MOD
     b = (length + sb) % ADLER_MOD
     return (b << 16) | a
@@ -113,88 +116,156 @@ def emulate_crc32_item(data: bytes, *, block: int = BLOCK) -> int:
     return partial[0]
 
 
+# kernel calls: the exact arguments, built on the host -------------------------------------------------
+
+
+@dataclass
+class KernelCall:
+    """One launch of a kernel of ``kvxfer_gpu.cu``: ``grid`` blocks of :data:`BLOCK` threads.
+
+    ``args`` are in the kernel's parameter order: a numpy array is passed as a pointer to its bytes
+    (copied to the device for a GPU launch), anything else as ``(value, ctypes type)``. ``out`` is
+    the index of the array the kernel writes its result into, if any."""
+
+    name: str
+    grid: int
+    args: list[Any]
+    out: int | None = None
+
+
+def checksum_call(bases: np.ndarray, item_lens: np.ndarray, pages: np.ndarray, algo: str) -> KernelCall:
+    """The launch computing one checksum per item (buffer-major) of ``pages``."""
+    pages = np.ascontiguousarray(pages, dtype=np.int64)
+    bases = np.ascontiguousarray(bases, dtype=np.uint64)
+    item_lens = np.ascontiguousarray(item_lens, dtype=np.uint64)
+    items = len(bases) * pages.size
+    out = np.zeros(items, dtype=np.uint32)
+    head = [bases, item_lens, pages, (pages.size, ctypes.c_int)]
+    if algo == "adler32":
+        return KernelCall("adler32_items", items, [*head, out], out=4)
+    if algo == "crc32":
+        threads, ops = crc_plan(item_lens)
+        return KernelCall("crc32_items", items, [*head, threads, ops, out], out=6)
+    raise ValueError(f"no GPU kernel for checksum {algo!r}")
+
+
+def _poison_table(buffers: int, poison_offsets: list[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray, int]:
+    offsets = poison_offsets or [np.zeros(0, dtype=np.uint64)] * buffers
+    width = max(1, max(len(o) for o in offsets))
+    table = np.zeros((buffers, width), dtype=np.uint64)
+    counts = np.zeros(buffers, dtype=np.int32)
+    for b, o in enumerate(offsets):
+        table[b, : len(o)] = o
+        counts[b] = len(o)
+    return table, counts, width
+
+
+def _pattern_word(pattern: bytes) -> int:
+    return int.from_bytes(pattern[:8].ljust(8, b"\0"), "little")
+
+
+def scrub_call(bases: np.ndarray, item_lens: np.ndarray, pages: np.ndarray, *, zero: bool,
+               poison_offsets: list[np.ndarray] | None = None, pattern: bytes = b"") -> KernelCall:
+    """The launch zeroing ``pages``, or writing ``pattern`` at each buffer's ``poison_offsets`` of them."""
+    pages = np.ascontiguousarray(pages, dtype=np.int64)
+    table, counts, width = _poison_table(len(bases), poison_offsets)
+    return KernelCall("scrub_items", len(bases) * pages.size, [
+        np.ascontiguousarray(bases, dtype=np.uint64), np.ascontiguousarray(item_lens, dtype=np.uint64), pages,
+        (pages.size, ctypes.c_int), (0 if zero else 1, ctypes.c_int), table, counts, (width, ctypes.c_int),
+        (_pattern_word(pattern), ctypes.c_uint64)])
+
+
+def find_poison_call(bases: np.ndarray, item_lens: np.ndarray, pages: np.ndarray,
+                     poison_offsets: list[np.ndarray], pattern: bytes) -> KernelCall:
+    """The launch flagging (1) each item that still holds ``pattern`` at one of its poison offsets."""
+    pages = np.ascontiguousarray(pages, dtype=np.int64)
+    table, counts, width = _poison_table(len(bases), poison_offsets)
+    out = np.zeros(len(bases) * pages.size, dtype=np.uint32)
+    return KernelCall("find_poison_items", out.size, [
+        np.ascontiguousarray(bases, dtype=np.uint64), np.ascontiguousarray(item_lens, dtype=np.uint64), pages,
+        (pages.size, ctypes.c_int), table, counts, (width, ctypes.c_int), (_pattern_word(pattern), ctypes.c_uint64),
+        out], out=8)
+
+
+class PreparedCall:
+    """A :class:`KernelCall` with its arrays copied to ``device``, ready to launch (again) on ``stream``."""
+
+    def __init__(self, device: int, call: KernelCall, stream: Any) -> None:
+        from . import driver
+
+        self.device, self.call, self.stream = device, call, stream
+        self._arrays: dict[int, Any] = {}
+        self._params: list[tuple[Any, Any]] = []
+        try:
+            for i, arg in enumerate(call.args):
+                if isinstance(arg, np.ndarray):
+                    self._arrays[i] = driver.DeviceArray(arg, device, stream)
+                    self._params.append((self._arrays[i].address, ctypes.c_void_p))
+                else:
+                    self._params.append(arg)
+        except BaseException:
+            self.close()
+            raise
+
+    def launch(self) -> None:
+        from . import driver
+
+        if self.call.grid:
+            driver.launch(self.device, self.call.name, self.call.grid, BLOCK, self.stream, self._params)
+
+    def result(self) -> np.ndarray | None:
+        """Wait for the stream; the ``out`` array copied back (``None`` for kernels without one)."""
+        if self.call.out is None:
+            self.stream.synchronize()
+            return None
+        return self._arrays[self.call.out].fetch(self.stream)
+
+    def close(self) -> None:
+        arrays, self._arrays = self._arrays, {}
+        for array in arrays.values():
+            array.close()
+
+    def __enter__(self) -> PreparedCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_gpu(device: int, call: KernelCall) -> np.ndarray | None:
+    """Launch ``call`` on ``device`` and wait; returns the ``out`` array copied back, if any."""
+    from . import driver
+
+    with driver.Stream(device) as stream, PreparedCall(device, call, stream) as prepared:
+        prepared.launch()
+        return prepared.result()
+
+
 # on the GPU -----------------------------------------------------------------------------------------------
 
 
 def item_checksums(layout: Any, pages: np.ndarray, algo: str) -> np.ndarray:
     """Per-item checksums of ``pages`` (buffer-major), computed on the layout's GPU."""
-    from . import driver
-
     device, bases, lens = _layout_args(layout)
-    pages = np.ascontiguousarray(pages, dtype=np.int64)
-    items = layout.num_buffers * pages.size
-    if items == 0:
-        return np.empty(0, dtype=np.uint32)
-    with driver.Stream(device) as stream:
-        args = [driver.DeviceArray(bases, device, stream), driver.DeviceArray(lens, device, stream),
-                driver.DeviceArray(pages, device, stream)]
-        out = driver.DeviceArray(np.zeros(items, dtype=np.uint32), device, stream)
-        extra = []
-        try:
-            if algo == "adler32":
-                driver.launch(device, "adler32_items", items, BLOCK, stream, [
-                    (args[0].address, ctypes.c_void_p), (args[1].address, ctypes.c_void_p),
-                    (args[2].address, ctypes.c_void_p), (pages.size, ctypes.c_int), (out.address, ctypes.c_void_p)])
-            elif algo == "crc32":
-                threads, ops = crc_plan(lens)
-                extra = [driver.DeviceArray(threads, device, stream), driver.DeviceArray(ops, device, stream)]
-                driver.launch(device, "crc32_items", items, BLOCK, stream, [
-                    (args[0].address, ctypes.c_void_p), (args[1].address, ctypes.c_void_p),
-                    (args[2].address, ctypes.c_void_p), (pages.size, ctypes.c_int),
-                    (extra[0].address, ctypes.c_void_p), (extra[1].address, ctypes.c_void_p),
-                    (out.address, ctypes.c_void_p)])
-            else:
-                raise ValueError(f"no GPU kernel for checksum {algo!r}")
-            return out.fetch(stream)
-        finally:
-            for array in [*args, out, *extra]:
-                array.close()
+    result = run_on_gpu(device, checksum_call(bases, lens, pages, algo))
+    assert result is not None
+    return result
 
 
 def scrub(layout: Any, pages: np.ndarray, *, zero: bool, poison_offsets: list[np.ndarray] | None = None,
           pattern: bytes = b"") -> None:
     """Zero, or write ``pattern`` at each buffer's ``poison_offsets`` of, ``pages`` on the GPU."""
-    from . import driver
+    device, bases, lens = _layout_args(layout)
+    run_on_gpu(device, scrub_call(bases, lens, pages, zero=zero, poison_offsets=poison_offsets, pattern=pattern))
 
+
+def poisoned_pages(layout: Any, pages: np.ndarray, poison_offsets: list[np.ndarray], pattern: bytes) -> np.ndarray:
+    """The subset of ``pages`` still carrying ``pattern`` at a poison offset of any buffer (on the GPU)."""
     device, bases, lens = _layout_args(layout)
     pages = np.ascontiguousarray(pages, dtype=np.int64)
-    if pages.size == 0:
-        return
-    offsets = poison_offsets or [np.zeros(0, dtype=np.uint64)] * layout.num_buffers
-    width = max(1, max(len(o) for o in offsets))
-    table = np.zeros((layout.num_buffers, width), dtype=np.uint64)
-    counts = np.zeros(layout.num_buffers, dtype=np.int32)
-    for b, o in enumerate(offsets):
-        table[b, : len(o)] = o
-        counts[b] = len(o)
-    value = int.from_bytes(pattern[:8].ljust(8, b"\0"), "little")
-    with driver.Stream(device) as stream:
-        arrays = [driver.DeviceArray(x, device, stream) for x in (bases, lens, pages, table, counts)]
-        try:
-            driver.launch(device, "scrub_items", layout.num_buffers * pages.size, BLOCK, stream, [
-                (arrays[0].address, ctypes.c_void_p), (arrays[1].address, ctypes.c_void_p),
-                (arrays[2].address, ctypes.c_void_p), (pages.size, ctypes.c_int), (0 if zero else 1, ctypes.c_int),
-                (arrays[3].address, ctypes.c_void_p), (arrays[4].address, ctypes.c_void_p), (width, ctypes.c_int),
-                (value, ctypes.c_uint64)])
-            stream.synchronize()
-        finally:
-            for array in arrays:
-                array.close()
-
-
-def read_words(layout: Any, pages: np.ndarray, buffer: int, offsets: np.ndarray) -> np.ndarray:
-    """The 8-byte words at ``offsets`` of ``pages`` in ``buffer``, copied to the host: ``[pages, offsets, 8]``."""
-    from . import driver
-
-    device, bases, lens = _layout_args(layout)
-    out = np.empty((len(pages), len(offsets), 8), dtype=np.uint8)
-    with driver.Stream(device) as stream:
-        for i, page in enumerate(np.asarray(pages).tolist()):
-            for k, off in enumerate(np.asarray(offsets).tolist()):
-                address = int(bases[buffer]) + int(page) * int(lens[buffer]) + int(off)
-                stream.to_host(out[i, k].ctypes.data, address, 8)
-        stream.synchronize()
-    return out
+    flags = run_on_gpu(device, find_poison_call(bases, lens, pages, poison_offsets, pattern))
+    assert flags is not None
+    return pages[flags.reshape(len(bases), pages.size).any(axis=0)]
 
 
 def _layout_args(layout: Any) -> tuple[int, np.ndarray, np.ndarray]:

@@ -140,9 +140,25 @@ def export_dmabuf(address: int, nbytes: int) -> DmaBufExport:
     base, size = int(base), int(size)
     if address + nbytes > base + size:
         raise GpuError(f"range {address:#x}+{nbytes} runs past its allocation {base:#x}+{size}")
+    # The driver wants a host-page-aligned range; allocations start on one and are backed in whole
+    # GPU pages (>= 64 KiB), so rounding the length up stays inside the backing (NCCL does the same).
+    page = os.sysconf("SC_PAGESIZE")
+    if base % page:
+        raise GpuError(f"allocation {base:#x} is not aligned to the host page size {page}: no dma-buf export")
+    span = -(-size // page) * page
     handle_type = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-    fd = check(driver.cuMemGetHandleForAddressRange(base, size, handle_type, 0), "cuMemGetHandleForAddressRange")
-    return DmaBufExport(fd=int(fd), base=base, size=size, offset=address - base)
+    fd = check(driver.cuMemGetHandleForAddressRange(base, span, handle_type, 0),
+               f"cuMemGetHandleForAddressRange({base:#x}, {span}, DMA_BUF_FD)")
+    return DmaBufExport(fd=int(fd), base=base, size=span, offset=address - base)
+
+
+def sync_memops(address: int) -> None:
+    """Make synchronous CUDA copies on ``address``'s allocation complete before they return, as
+    GPUDirect RDMA needs (``CU_POINTER_ATTRIBUTE_SYNC_MEMOPS``): an RDMA read or write that follows a
+    ``cudaMemcpy`` then sees its bytes."""
+    driver = cuda()
+    attribute = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
+    check(driver.cuPointerSetAttribute(1, attribute, address), "cuPointerSetAttribute(SYNC_MEMOPS)")
 
 
 # host memory, streams, copies -----------------------------------------------------------------------

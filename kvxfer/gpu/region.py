@@ -62,8 +62,12 @@ class CudaRegion(MemoryRegion):
     # RDMA registration ----------------------------------------------------------------------------------
     def register_verbs(self, device: Any, access: int) -> Any:
         """Register with a pyverbs device; returns a :class:`VerbsRegistration`."""
-        from .driver import export_dmabuf
+        from .driver import export_dmabuf, sync_memops
 
+        try:
+            sync_memops(self.address)
+        except GpuError as exc:
+            log.warning("%s: %s; RDMA may observe a synchronous cudaMemcpy late", self.name, exc)
         attempts = []
         try:
             with export_dmabuf(self.address, self.nbytes) as export:

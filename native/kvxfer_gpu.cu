@@ -237,3 +237,26 @@ extern "C" __global__ void find_poison_items(const u64* bases, const u64* item_l
     __syncthreads();
     if (threadIdx.x == 0) out[item] = (u32)found;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Copying runs between pages and a contiguous staging buffer on the device (the tcp transport's
+// GPU path): the host splits runs into pieces of at most 64 KiB and passes, per piece,
+// runs[3k] = source address, runs[3k + 1] = destination address, runs[3k + 2] = length.
+// One block per piece: 16-byte copies when source and destination share 16-byte alignment,
+// byte copies for the odd ends. One launch replaces a copy call per run.
+
+extern "C" __global__ void copy_runs(const u64* runs, int npieces) {
+    int piece = blockIdx.x;
+    if (piece >= npieces) return;
+    const u8* src = (const u8*)runs[3 * piece];
+    u8* dst = (u8*)runs[3 * piece + 1];
+    u64 L = runs[3 * piece + 2];
+    u64 head = 0, vec_end = 0;
+    if (((((u64)src) ^ ((u64)dst)) & 15u) == 0) vector_part(src, L, &head, &vec_end);
+    for (u64 j = head + (u64)threadIdx.x * 16; j < vec_end; j += (u64)blockDim.x * 16)
+        *(uint4*)(dst + j) = *(const uint4*)(src + j);
+    for (u64 k = threadIdx.x; k < head + (L - vec_end); k += blockDim.x) {
+        u64 j = k < head ? k : vec_end + (k - head);
+        dst[j] = src[j];
+    }
+}

@@ -220,6 +220,27 @@ class Stream:
         self.close()
 
 
+class DeviceMemory:
+    """An uninitialised device allocation of ``nbytes`` (staging buffers)."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        use_device(device)
+        self.nbytes = max(int(nbytes), 1)
+        self.address = int(check(cuda().cuMemAlloc(self.nbytes), f"cuMemAlloc({self.nbytes})"))
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            check(cuda().cuMemFree(self.address), "cuMemFree")
+
+    def __enter__(self) -> DeviceMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class DeviceArray:
     """A small device allocation (kernel arguments: page lists, bases, results)."""
 

@@ -24,6 +24,7 @@ ADLER_MOD = 65521
 CRC_POLY = 0xEDB88320
 BLOCK = 256  # threads per item (block)
 LEVELS = 32
+PIECE = 64 << 10  # copy_runs: the most bytes one block copies
 
 
 # host-side math -------------------------------------------------------------------------------------
@@ -116,6 +117,33 @@ def emulate_crc32_item(data: bytes, *, block: int = BLOCK) -> int:
     return partial[0]
 
 
+def split_runs(sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarray,
+               piece: int = PIECE) -> np.ndarray:
+    """The copy_runs descriptor table ``[pieces, 3]`` (source, destination, length) for copying each
+    run ``sources[i] -> destinations[i]`` of ``lengths[i]`` bytes, long runs cut into ``piece``-byte
+    pieces so that every block has a bounded share of the work."""
+    sources = np.asarray(sources, dtype=np.uint64)
+    destinations = np.asarray(destinations, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    counts = np.maximum((lengths + np.uint64(piece - 1)) // np.uint64(piece), 1).astype(np.int64)
+    run = np.repeat(np.arange(lengths.size), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offset = ((np.arange(run.size) - first) * piece).astype(np.uint64)
+    table = np.empty((run.size, 3), dtype=np.uint64)
+    table[:, 0] = sources[run] + offset
+    table[:, 1] = destinations[run] + offset
+    table[:, 2] = np.minimum(lengths[run] - offset, np.uint64(piece))
+    return table
+
+
+def packed_offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each run starts when runs of ``lengths`` lie back to back (a staging buffer)."""
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    starts = np.zeros(lengths.size, dtype=np.uint64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
 # kernel calls: the exact arguments, built on the host -------------------------------------------------
 
 
@@ -185,6 +213,12 @@ def find_poison_call(bases: np.ndarray, item_lens: np.ndarray, pages: np.ndarray
         np.ascontiguousarray(bases, dtype=np.uint64), np.ascontiguousarray(item_lens, dtype=np.uint64), pages,
         (pages.size, ctypes.c_int), table, counts, (width, ctypes.c_int), (_pattern_word(pattern), ctypes.c_uint64),
         out], out=8)
+
+
+def copy_runs_call(table: np.ndarray) -> KernelCall:
+    """The launch performing every copy of a :func:`split_runs` table."""
+    table = np.ascontiguousarray(table, dtype=np.uint64)
+    return KernelCall("copy_runs", len(table), [table, (len(table), ctypes.c_int)])
 
 
 class PreparedCall:

@@ -10,7 +10,8 @@ fence returns, every earlier write is in the pages (or was refused), none is sti
 
 Item checksums are taken from the staged host bytes, in cache, exactly as for host pages.
 
-Two copy engines share one interface: :class:`CudaCopy` (pinned memory, one CUDA stream) and
+Two copy engines share one interface: :class:`CudaCopy` (pinned memory, one CUDA stream, one
+``copy_runs`` kernel launch per frame to pack or unpack its runs on the device) and
 :class:`HostCopy` (``memmove``; host pages forced through the same pipeline, which is how the
 pipeline is tested on machines without a GPU).
 """
@@ -26,7 +27,8 @@ from ..errors import ConfigError, GpuError
 
 
 class HostCopy:
-    """Copies between host buffers with ``memmove`` (synchronous)."""
+    """Copies between host buffers with ``memmove`` (synchronous), executing the same descriptor
+    table (:func:`~kvxfer.gpu.kernels.split_runs`) that :class:`CudaCopy` hands its kernel."""
 
     def __init__(self) -> None:
         self._buffers: list[np.ndarray] = []
@@ -36,15 +38,22 @@ class HostCopy:
         self._buffers.append(array)
         return array
 
+    @staticmethod
+    def _copy_runs(sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarray) -> None:
+        from ..gpu.kernels import split_runs  # host math only: no CUDA
+
+        for src, dst, n in split_runs(sources, destinations, lengths).tolist():
+            ctypes.memmove(dst, src, n)
+
     def gather(self, host: int, sources: np.ndarray, lengths: np.ndarray) -> None:
-        for src, n in zip(sources.tolist(), lengths.tolist()):
-            ctypes.memmove(host, src, n)
-            host += n
+        from ..gpu.kernels import packed_offsets
+
+        self._copy_runs(sources, np.uint64(host) + packed_offsets(lengths), lengths)
 
     def scatter(self, destinations: np.ndarray, host: int, lengths: np.ndarray) -> None:
-        for dst, n in zip(destinations.tolist(), lengths.tolist()):
-            ctypes.memmove(dst, host, n)
-            host += n
+        from ..gpu.kernels import packed_offsets
+
+        self._copy_runs(np.uint64(host) + packed_offsets(lengths), destinations, lengths)
 
     def wait(self) -> None:
         pass
@@ -53,8 +62,54 @@ class HostCopy:
         self._buffers.clear()
 
 
+class _CudaSlot:
+    """One staging buffer's resources: pinned host bytes, their device twin, and the copy_runs
+    descriptor table (pinned on the host, copied to the device with each frame)."""
+
+    def __init__(self, driver: Any, device: int, nbytes: int) -> None:
+        from ..gpu.kernels import PIECE
+        from ..wire.frames import MAX_RUNS
+
+        self.capacity = MAX_RUNS + nbytes // PIECE + 1  # pieces of one frame, at most
+        self._owned: list[Any] = []
+        try:
+            self.host = self._own(driver.PinnedBuffer(nbytes, device))
+            self.device = self._own(driver.DeviceMemory(nbytes, device))
+            self.table_host = self._own(driver.PinnedBuffer(self.capacity * 24, device))
+            self.table_device = self._own(driver.DeviceMemory(self.capacity * 24, device))
+        except BaseException:
+            self.close()
+            raise
+        self.table = self.table_host.array.view(np.uint64).reshape(self.capacity, 3)
+
+    def _own(self, resource: Any) -> Any:
+        self._owned.append(resource)
+        return resource
+
+    def describe(self, sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarray) -> int:
+        """Write the descriptor table of these runs into the pinned table; returns its row count."""
+        from ..gpu.kernels import split_runs
+
+        table = split_runs(sources, destinations, lengths)
+        if len(table) > self.capacity:
+            raise GpuError(f"a frame of {len(lengths)} runs needs {len(table)} copy pieces "
+                           f"(the staging table holds {self.capacity})")
+        self.table[: len(table)] = table
+        return len(table)
+
+    def close(self) -> None:
+        owned, self._owned = self._owned, []
+        for resource in reversed(owned):
+            resource.close()
+
+
 class CudaCopy:
-    """Copies between pinned host buffers and device pages on one stream (asynchronous)."""
+    """Copies between pinned host buffers and device pages on one stream (asynchronous).
+
+    Per frame, whatever its number of runs: one host/device copy of the whole frame between the
+    pinned buffer and its device twin, one copy of the descriptor table, and one ``copy_runs``
+    kernel moving the runs between the twin and the pages (a copy call per run would cost more
+    than the bytes when pages are small)."""
 
     def __init__(self, device: int) -> None:
         from ..gpu import driver
@@ -62,7 +117,7 @@ class CudaCopy:
         self._driver = driver
         self.device = device
         self._stream: Any = None
-        self._pinned: list[Any] = []
+        self._slots: dict[int, _CudaSlot] = {}
 
     def _bind(self) -> Any:
         """The stream, created (and the device's context made current) in the calling thread."""
@@ -72,21 +127,34 @@ class CudaCopy:
         return self._stream
 
     def buffer(self, nbytes: int) -> np.ndarray:
-        pinned = self._driver.PinnedBuffer(nbytes, self.device)
-        self._pinned.append(pinned)
-        return pinned.array
+        slot = _CudaSlot(self._driver, self.device, nbytes)
+        self._slots[int(slot.host.address)] = slot
+        return slot.host.array
+
+    def _copy_runs(self, stream: Any, slot: _CudaSlot, sources: np.ndarray, destinations: np.ndarray,
+                   lengths: np.ndarray) -> None:
+        from ..gpu.kernels import BLOCK
+
+        pieces = slot.describe(sources, destinations, lengths)
+        stream.to_device(slot.table_device.address, slot.table_host.address, pieces * 24)
+        self._driver.launch(self.device, "copy_runs", pieces, BLOCK, stream,
+                            [(slot.table_device.address, ctypes.c_void_p), (pieces, ctypes.c_int)])
 
     def gather(self, host: int, sources: np.ndarray, lengths: np.ndarray) -> None:
-        stream = self._bind()
-        for src, n in zip(sources.tolist(), lengths.tolist()):
-            stream.to_host(host, src, n)
-            host += n
+        from ..gpu.kernels import packed_offsets
+
+        stream, slot = self._bind(), self._slots[host]
+        packed = np.uint64(slot.device.address) + packed_offsets(lengths)
+        self._copy_runs(stream, slot, sources, packed, lengths)
+        stream.to_host(host, slot.device.address, int(lengths.sum()))
 
     def scatter(self, destinations: np.ndarray, host: int, lengths: np.ndarray) -> None:
-        stream = self._bind()
-        for dst, n in zip(destinations.tolist(), lengths.tolist()):
-            stream.to_device(dst, host, n)
-            host += n
+        from ..gpu.kernels import packed_offsets
+
+        stream, slot = self._bind(), self._slots[host]
+        stream.to_device(slot.device.address, host, int(lengths.sum()))
+        packed = np.uint64(slot.device.address) + packed_offsets(lengths)
+        self._copy_runs(stream, slot, packed, destinations, lengths)
 
     def wait(self) -> None:
         if self._stream is not None:
@@ -97,9 +165,9 @@ class CudaCopy:
             self._bind().synchronize()
             self._stream.close()
             self._stream = None
-        for pinned in self._pinned:
-            pinned.close()
-        self._pinned.clear()
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            slot.close()
 
 
 def copy_engine(layout: Any, forced: str | None = None) -> Any:

@@ -29,4 +29,8 @@ void run_find_poison_items(unsigned grid, unsigned block, const u64* bases, cons
         find_poison_items(bases, item_lens, pages, npages, poison_offsets, noffsets, max_offsets, pattern, out);
     });
 }
+
+void run_copy_runs(unsigned grid, unsigned block, const u64* runs, int npieces) {
+    simt::launch(grid, block, [&] { copy_runs(runs, npieces); });
+}
 }

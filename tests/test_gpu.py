@@ -30,6 +30,7 @@ from kvxfer.gpu import kernels as k
 from kvxfer.gpu.region import CudaRegion
 from kvxfer.layout import BufferSpec, KVLayout
 from kvxfer.pool import PagePool
+from kvxfer.transport.staging import packed_offsets
 
 from .conftest import PAGE_TOKENS, fill_random
 
@@ -223,14 +224,14 @@ def test_the_kernel_source_scrubs_only_the_given_pages_and_finds_the_poison(simt
 def test_split_runs_cuts_long_runs_into_pieces_that_tile_them():
     lengths = np.array([1, 65536, 65537, 200000, 16], dtype=np.uint64)
     sources = np.array([1000, 10**6, 10**7, 10**8, 10**9], dtype=np.uint64)
-    destinations = 5 + k.packed_offsets(lengths)
+    destinations = 5 + packed_offsets(lengths)
     table = k.split_runs(sources, destinations, lengths)
     assert table[:, 2].max() <= k.PIECE and table[:, 2].min() >= 1
     assert len(table) == 1 + 1 + 2 + 4 + 1
     assert int(table[:, 2].sum()) == int(lengths.sum())
     # pieces follow each other inside their run, on both sides
     assert table[2].tolist() == [10**7, 5 + 65537, 65536] and table[3].tolist() == [10**7 + 65536, 5 + 131073, 1]
-    assert k.packed_offsets(lengths).tolist() == [0, 1, 65537, 131074, 331074]
+    assert packed_offsets(lengths).tolist() == [0, 1, 65537, 131074, 331074]
 
 
 @pytest.mark.parametrize("misalign", [0, 3])
@@ -244,14 +245,14 @@ def test_the_copy_kernel_source_gathers_and_scatters_runs_exactly(simt_lib, misa
     pages_at = np.array([bases[b] + p * item_lens[b] for b, p in runs], dtype=np.uint64)
     frame = np.zeros(int(lens.sum()) + 16, dtype=np.uint8)
     base = frame.ctypes.data + misalign
-    run_on_cpu(simt_lib, k.copy_runs_call(k.split_runs(pages_at, base + k.packed_offsets(lens), lens)))
+    run_on_cpu(simt_lib, k.copy_runs_call(k.split_runs(pages_at, base + packed_offsets(lens), lens)))
     views = [view.reshape(npages, item) for (_, view), item in zip(arrays, item_lens)]
     want = np.concatenate([views[b][p] for b, p in runs])
     assert (frame[misalign : misalign + want.size] == want).all()
 
     for b, p in runs:
         views[b][p] = 0  # the destination pages hold something else before the frame lands
-    run_on_cpu(simt_lib, k.copy_runs_call(k.split_runs(base + k.packed_offsets(lens), pages_at, lens)))
+    run_on_cpu(simt_lib, k.copy_runs_call(k.split_runs(base + packed_offsets(lens), pages_at, lens)))
     assert (np.concatenate([views[b][p] for b, p in runs]) == want).all()
 
 

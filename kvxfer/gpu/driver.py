@@ -241,28 +241,20 @@ class DeviceMemory:
         self.close()
 
 
-class DeviceArray:
-    """A small device allocation (kernel arguments: page lists, bases, results)."""
+class DeviceArray(DeviceMemory):
+    """A small device allocation holding a copy of ``data`` (kernel arguments: page lists, bases, results)."""
 
     def __init__(self, data: np.ndarray, device: int, stream: Stream) -> None:
-        use_device(device)
         self.data = np.ascontiguousarray(data)
-        self.nbytes = max(self.data.nbytes, 1)
-        self.address = int(check(cuda().cuMemAlloc(self.nbytes), "cuMemAlloc"))
+        super().__init__(self.data.nbytes, device)
         if self.data.nbytes:
             stream.to_device(self.address, self.data.ctypes.data, self.data.nbytes)
-        self._closed = False
 
     def fetch(self, stream: Stream) -> np.ndarray:
         out = np.empty_like(self.data)
         stream.to_host(out.ctypes.data, self.address, out.nbytes)
         stream.synchronize()
         return out
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            check(cuda().cuMemFree(self.address), "cuMemFree")
 
 
 # kernels ---------------------------------------------------------------------------------------------

@@ -136,14 +136,6 @@ def split_runs(sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarra
     return table
 
 
-def packed_offsets(lengths: np.ndarray) -> np.ndarray:
-    """Where each run starts when runs of ``lengths`` lie back to back (a staging buffer)."""
-    lengths = np.asarray(lengths, dtype=np.uint64)
-    starts = np.zeros(lengths.size, dtype=np.uint64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return starts
-
-
 # kernel calls: the exact arguments, built on the host -------------------------------------------------
 
 

@@ -26,6 +26,14 @@ import numpy as np
 from ..errors import ConfigError, GpuError
 
 
+def packed_offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each run starts when runs of ``lengths`` lie back to back (in a staging buffer)."""
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    starts = np.zeros(lengths.size, dtype=np.uint64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
 class HostCopy:
     """Copies between host buffers with ``memmove`` (synchronous), executing the same descriptor
     table (:func:`~kvxfer.gpu.kernels.split_runs`) that :class:`CudaCopy` hands its kernel."""
@@ -46,13 +54,9 @@ class HostCopy:
             ctypes.memmove(dst, src, n)
 
     def gather(self, host: int, sources: np.ndarray, lengths: np.ndarray) -> None:
-        from ..gpu.kernels import packed_offsets
-
         self._copy_runs(sources, np.uint64(host) + packed_offsets(lengths), lengths)
 
     def scatter(self, destinations: np.ndarray, host: int, lengths: np.ndarray) -> None:
-        from ..gpu.kernels import packed_offsets
-
         self._copy_runs(np.uint64(host) + packed_offsets(lengths), destinations, lengths)
 
     def wait(self) -> None:
@@ -141,16 +145,12 @@ class CudaCopy:
                             [(slot.table_device.address, ctypes.c_void_p), (pieces, ctypes.c_int)])
 
     def gather(self, host: int, sources: np.ndarray, lengths: np.ndarray) -> None:
-        from ..gpu.kernels import packed_offsets
-
         stream, slot = self._bind(), self._slots[host]
         packed = np.uint64(slot.device.address) + packed_offsets(lengths)
         self._copy_runs(stream, slot, sources, packed, lengths)
         stream.to_host(host, slot.device.address, int(lengths.sum()))
 
     def scatter(self, destinations: np.ndarray, host: int, lengths: np.ndarray) -> None:
-        from ..gpu.kernels import packed_offsets
-
         stream, slot = self._bind(), self._slots[host]
         stream.to_device(slot.device.address, host, int(lengths.sum()))
         packed = np.uint64(slot.device.address) + packed_offsets(lengths)

@@ -41,7 +41,7 @@ from ..wire import frames as f
 from ..wire import messages as m
 from ..writeguard import WriteGuard
 from .faults import FaultInjector
-from .staging import Staging, copy_engine
+from .staging import Staging, copy_engine, packed_offsets
 
 log = logging.getLogger("kvxfer.tcp")
 
@@ -259,15 +259,7 @@ class TcpReceiver:
             return
         sums = None
         if native.lib is not None:
-            addresses = self._dst_base[runs["buffer"]] + runs["offset"]
-            lengths = runs["length"].astype(np.uint64)
-            if self._sum_fn is not None:
-                items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
-                raw = native.lib.recv_runs_summed(sock.fileno(), addresses.tobytes(), lengths.tobytes(),
-                                                  items.tobytes(), self._sum_fn, self._sum_initial, SUM_CHUNK)
-                sums = np.frombuffer(raw, dtype=np.uint32)
-            else:
-                native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
+            sums = self._recv_runs_native(sock, runs, self._dst_base[runs["buffer"]] + runs["offset"])
         else:
             for buffer, offset, length in zip(
                 runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
@@ -280,23 +272,26 @@ class TcpReceiver:
         """Receive a WRITE payload into a staging buffer, then copy its runs to the pages (async)."""
         buffer, base = staging.take()
         lengths = runs["length"].astype(np.uint64)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
         sums = None
         if native.lib is not None:
-            addresses = np.uint64(base) + starts
-            if self._sum_fn is not None:
-                items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
-                raw = native.lib.recv_runs_summed(sock.fileno(), addresses.tobytes(), lengths.tobytes(),
-                                                  items.tobytes(), self._sum_fn, self._sum_initial, SUM_CHUNK)
-                sums = np.frombuffer(raw, dtype=np.uint32)
-            else:
-                native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
+            sums = self._recv_runs_native(sock, runs, np.uint64(base) + packed_offsets(lengths))
         else:
             recv_exact(sock, memoryview(buffer)[:payload_len])
         destinations = self._dst_base[runs["buffer"]] + runs["offset"]
         staging.engine.scatter(destinations, base, lengths)
         staging.mark_pending()
         return sums
+
+    def _recv_runs_native(self, sock: socket.socket, runs: np.ndarray, addresses: np.ndarray) -> Any:
+        """Receive the payload's runs at ``addresses`` in C; the item checksums when checksums are on."""
+        lengths = runs["length"].astype(np.uint64)
+        if self._sum_fn is None:
+            native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
+            return None
+        items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
+        raw = native.lib.recv_runs_summed(sock.fileno(), addresses.tobytes(), lengths.tobytes(),
+                                          items.tobytes(), self._sum_fn, self._sum_initial, SUM_CHUNK)
+        return np.frombuffer(raw, dtype=np.uint32)
 
     def _finish(self, inbound: _Inbound, reason: str) -> None:
         with self._lock:
@@ -577,8 +572,7 @@ class TcpLink:
         if self.faults is None and native.lib is not None:
             lengths = batch.lengths[start:end].astype(np.uint64)
             if staged is not None:  # the runs lie back to back in the staging buffer
-                starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
-                addresses = np.uint64(staged[1]) + starts
+                addresses = np.uint64(staged[1]) + packed_offsets(lengths)
             else:
                 addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
             if self._sum_fn is None or batch.sums_ready is not None:

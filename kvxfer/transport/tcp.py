@@ -11,6 +11,11 @@ The sending side (:class:`TcpLink`) runs a thread per connection that turns writ
 frames (gather ``sendmsg`` from the source pages) and reports completions; a batch whose request
 was aborted before its turn is dropped unsent and reported complete-but-failed.
 
+Frames carry at most :func:`frame_limit` payload bytes (the size of a staging buffer: 32 MiB, or one
+item when an item is larger; both ends compute it from their compatible layouts), whatever the
+length of the runs: a longer run is split at item boundaries into several runs (frames). A staging
+receiver refuses a frame announcing more than its staging buffer before reading any of it.
+
 Fencing a connection (:meth:`TcpReceiver.fence`) shuts the socket down and joins its thread, so when
 it returns nothing more from that connection can land anywhere.
 
@@ -36,7 +41,7 @@ import numpy as np
 from .. import native
 from ..errors import KvxferError, ProtocolError, TransportError, WriteRefused
 from ..layout import KVLayout
-from ..runs import WriteBatch
+from ..runs import FrameCut, WriteBatch, cut_frames
 from ..wire import frames as f
 from ..wire import messages as m
 from ..writeguard import WriteGuard
@@ -47,9 +52,17 @@ log = logging.getLogger("kvxfer.tcp")
 
 FRAME_MAX_RUNS = 512
 SUM_CHUNK = 256 << 10  # land this much, then checksum it while it is still in cache (L2)
-FRAME_MAX_BYTES = 32 << 20
+FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 _SCRATCH = 1 << 20
+
+
+def frame_limit(layout: KVLayout) -> int:
+    """The most payload bytes one WRITE frame carries, and the size of each staging buffer:
+    :data:`FRAME_MAX_BYTES`, or one item when an item of the layout is larger (a frame holds at least
+    one whole item). Sender and receiver compute the same value from their compatible layouts."""
+    largest = int(layout.item_lens.max()) if layout.num_buffers else 0
+    return max(FRAME_MAX_BYTES, largest)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -132,6 +145,7 @@ class TcpReceiver:
         self.guard = guard
         self._staging_mode = staging
         self._stages = copy_engine(layout, staging) is not None  # GPU pages: land via pinned buffers
+        self.frame_limit = frame_limit(layout)
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)
         self._sum_initial = algo.initial if self._sum_fn is not None else 0
@@ -180,7 +194,7 @@ class TcpReceiver:
         staging = None
         try:
             if self._stages:
-                staging = Staging(copy_engine(self.layout, self._staging_mode), FRAME_MAX_BYTES)
+                staging = Staging(copy_engine(self.layout, self._staging_mode), self.frame_limit)
             recv_exact(sock, header_view)
             header = f.parse_header(header_buf)
             if header.kind is not f.FrameKind.CONNECT:
@@ -239,6 +253,10 @@ class TcpReceiver:
 
     def _land_write(self, sock: socket.socket, conn_id: Any, header: f.FrameHeader, scratch: memoryview,
                     staging: Staging | None = None) -> None:
+        if staging is not None and header.payload_len > staging.capacity:
+            # refused before reading anything more: landing it would overrun the staging buffer
+            raise ProtocolError(f"WRITE frame of {header.payload_len} bytes exceeds the staging buffer "
+                                f"({staging.capacity} bytes): a writer cuts frames to that size")
         body = bytearray(header.body_len)
         recv_exact(sock, memoryview(body))
         runs = f.parse_runs(header, body)
@@ -411,8 +429,12 @@ class TcpLink:
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        self.frame_limit = frame_limit(layout)
+        if self.frame_limit > f.MAX_PAYLOAD:
+            raise TransportError(f"an item of {self.frame_limit} bytes is larger than a tcp frame may carry "
+                                 f"({f.MAX_PAYLOAD} bytes)")
         engine = copy_engine(layout, staging)  # GPU pages: leave via pinned buffers
-        self._staging = Staging(engine, FRAME_MAX_BYTES) if engine is not None else None
+        self._staging = Staging(engine, self.frame_limit) if engine is not None else None
         host, port = parse_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -506,35 +528,18 @@ class TcpLink:
             self._send_batch_staged(job)
             return
         batch = job.batch
-        total = len(batch)
-        start = 0
-        while start < total:
+        for cut in self._frames(batch):
             if batch.cancelled:
-                job.on_complete(batch, 0, total - start)
+                job.on_complete(batch, 0, len(batch) - cut.runs_before)
                 return
-            end = start + 1
-            size = int(batch.lengths[start])
-            while end < total and end - start < FRAME_MAX_RUNS and size + int(batch.lengths[end]) <= FRAME_MAX_BYTES:
-                size += int(batch.lengths[end])
-                end += 1
-            self._send_frame(batch, start, end, size)
-            job.on_complete(batch, end - start, 0)
-            start = end
+            self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
+            if cut.runs_done:
+                job.on_complete(batch, cut.runs_done, 0)
 
-    def _frames(self, batch: WriteBatch) -> list[tuple[int, int, int]]:
-        """``(start, end, bytes)`` of each frame the batch is cut into."""
-        out = []
-        total = len(batch)
-        start = 0
-        while start < total:
-            end = start + 1
-            size = int(batch.lengths[start])
-            while end < total and end - start < FRAME_MAX_RUNS and size + int(batch.lengths[end]) <= FRAME_MAX_BYTES:
-                size += int(batch.lengths[end])
-                end += 1
-            out.append((start, end, size))
-            start = end
-        return out
+    def _frames(self, batch: WriteBatch) -> list[FrameCut]:
+        """The frames the batch is cut into: at most :attr:`frame_limit` bytes and
+        :data:`FRAME_MAX_RUNS` runs each, longer runs split at item boundaries."""
+        return cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
 
     def _send_batch_staged(self, job: _WriteJob) -> None:
         """Frame k leaves from one staging buffer while frame k+1 is copied into the other."""
@@ -543,38 +548,38 @@ class TcpLink:
         frames = self._frames(batch)
         staging = self._staging
 
-        def stage(index: int) -> tuple[np.ndarray, int]:
-            start, end, _ = frames[index]
+        def stage(cut: FrameCut) -> tuple[np.ndarray, int]:
             buffer, base = staging.take()
-            sources = self._src_base[batch.buffers[start:end]] + batch.src_offsets[start:end].astype(np.uint64)
-            staging.engine.gather(base, sources, batch.lengths[start:end].astype(np.uint64))
+            sources = self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)
+            staging.engine.gather(base, sources, cut.lengths.astype(np.uint64))
             staging.mark_pending()
             return buffer, base
 
-        staged = stage(0) if frames else None
-        for index, (start, end, size) in enumerate(frames):
+        staged = stage(frames[0]) if frames else None
+        for index, cut in enumerate(frames):
             if batch.cancelled:
                 staging.drain()
-                job.on_complete(batch, 0, len(batch) - start)
+                job.on_complete(batch, 0, len(batch) - cut.runs_before)
                 return
             staging.drain()  # frame ``index`` is in its buffer
             current = staged
-            staged = stage(index + 1) if index + 1 < len(frames) else None  # overlaps the send below
-            self._send_frame(batch, start, end, size, current)
-            job.on_complete(batch, end - start, 0)
+            staged = stage(frames[index + 1]) if index + 1 < len(frames) else None  # overlaps the send below
+            self._send_frame(batch, cut, current, last=index + 1 == len(frames))
+            if cut.runs_done:
+                job.on_complete(batch, cut.runs_done, 0)
         staging.drain()
 
-    def _send_frame(self, batch: WriteBatch, start: int, end: int, size: int,
-                    staged: tuple[np.ndarray, int] | None = None) -> None:
-        buffers = batch.buffers[start:end]
-        header = f.write_header(batch.slot, batch.gen, end - start, size)
-        runs = f.pack_runs(buffers, batch.dst_offsets[start:end], batch.lengths[start:end])
+    def _send_frame(self, batch: WriteBatch, cut: FrameCut, staged: tuple[np.ndarray, int] | None = None,
+                    *, last: bool) -> None:
+        buffers, size = cut.buffers, cut.nbytes
+        header = f.write_header(batch.slot, batch.gen, len(cut.lengths), size)
+        runs = f.pack_runs(buffers, cut.dst_offsets, cut.lengths)
         if self.faults is None and native.lib is not None:
-            lengths = batch.lengths[start:end].astype(np.uint64)
+            lengths = cut.lengths.astype(np.uint64)
             if staged is not None:  # the runs lie back to back in the staging buffer
                 addresses = np.uint64(staged[1]) + packed_offsets(lengths)
             else:
-                addresses = self._src_base[buffers] + batch.src_offsets[start:end].astype(np.uint64)
+                addresses = self._src_base[buffers] + cut.src_offsets.astype(np.uint64)
             if self._sum_fn is None or batch.sums_ready is not None:
                 native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
             else:
@@ -582,7 +587,7 @@ class TcpLink:
                 raw = native.lib.send_runs_summed(self._sock.fileno(), header + runs, addresses.tobytes(),
                                                   lengths.tobytes(), items.tobytes(), self._sum_fn,
                                                   self._sum_initial, SUM_CHUNK)
-                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), end == len(batch))
+                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
             self.bytes_sent += size
             return
         if staged is not None:
@@ -590,8 +595,7 @@ class TcpLink:
         else:
             payload = [
                 self._src[b][o : o + n]
-                for b, o, n in zip(buffers.tolist(), batch.src_offsets[start:end].tolist(),
-                                   batch.lengths[start:end].tolist())
+                for b, o, n in zip(buffers.tolist(), cut.src_offsets.tolist(), cut.lengths.tolist())
             ]
         if self.faults is not None:
             decision = self.faults.on_write(batch)

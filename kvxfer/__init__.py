@@ -5,10 +5,11 @@ it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConf
 Errors live in :mod:`kvxfer.errors`. Heavy and GPU-only dependencies are imported lazily.
 """
 
-from .engine import DecodeEngine, EngineConfig, KVRead, PrefillEngine
+from .engine import DecodeEngine, EngineConfig, PrefillEngine
 from .errors import (
     AdmissionRejected,
     CapacityError,
+    InvalidArgument,
     KvxferError,
     OwnershipError,
     PoolExhausted,
@@ -20,6 +21,7 @@ from .layout import KVLayout
 from .ledger import AllocPolicy, PageState
 from .lifecycle import ReceiverState, SenderState
 from .pool import FreePolicy
+from .reads import KVRead
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,7 @@ __all__ = [
     "DecodeEngine",
     "EngineConfig",
     "FreePolicy",
+    "InvalidArgument",
     "KVLayout",
     "KVRead",
     "KvxferError",

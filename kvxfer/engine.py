@@ -44,6 +44,7 @@ from .layout import KVLayout
 from .lifecycle import ReceiverState, SenderState
 from .metrics import EngineMetrics
 from .pool import PagePool, check_capacity
+from .reads import KVRead
 from .receiver import PeerInfo, Receiver, ReceiveRequest
 from .sender import Sender, SendRequest
 from .transport.faults import FaultInjector
@@ -279,37 +280,6 @@ class _Engine:
 
 
 # decode -----------------------------------------------------------------------------------------------
-
-
-class KVRead:
-    """Checked read access to a readable request's pages (the page-tag check on every access)."""
-
-    def __init__(self, engine: DecodeEngine, req: ReceiveRequest) -> None:
-        self._engine = engine
-        self._req = req
-        self.rid = req.rid
-        self.generation = req.gen
-        self.pages = req.pages.copy()
-        self.aux = req.aux
-
-    def _check(self) -> None:
-        with self._engine.lock:
-            if self._req.state is not ReceiverState.READABLE:
-                from .errors import NotReadable
-
-                raise NotReadable(f"no longer readable (state {self._req.state.value})",
-                                  rid=self.rid, generation=self.generation)
-            self._engine.receiver.check_ownership(self._req)
-
-    def buffer(self, index: int) -> np.ndarray:
-        """A copy of buffer ``index`` for the request's pages, shape ``(pages, item_len)``."""
-        self._check()
-        return self._engine.layout.views()[index][self.pages]
-
-    def page(self, index: int, position: int) -> np.ndarray:
-        """A view (no copy) of the request's ``position``-th page in buffer ``index``."""
-        self._check()
-        return self._engine.layout.views()[index][int(self.pages[position])]
 
 
 class _Worker:
@@ -649,9 +619,10 @@ class DecodeEngine(_Engine):
                 self.receiver.changed.wait(min(left, 0.1))
 
     def read(self, rid: Any, *, generation: int | None = None) -> KVRead:
-        """Checked access to a readable request's pages; raises if not readable or not owned."""
-        req, _pages = self.receiver.readable_pages(rid, generation=generation)
-        return KVRead(self, req)
+        """A read lease on a readable request (:class:`~kvxfer.reads.KVRead`; a context manager):
+        raises if not readable or not owned; until it ends, release and abort defer the free."""
+        req = self.receiver.open_lease(rid, generation=generation)
+        return KVRead(self.receiver, self.layout, req)
 
     def release(self, rid: Any, *, generation: int | None = None) -> None:
         self.receiver.release(rid, generation=generation)
@@ -661,6 +632,7 @@ class DecodeEngine(_Engine):
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
+            self.receiver.drain_ended_leases()  # a read dropped just before this call has ended
             return {
                 "engine": self.engine_id,
                 "role": self.role,

@@ -74,6 +74,13 @@ class CapacityError(ConfigError):
     code = "capacity"
 
 
+class InvalidArgument(KvxferError, ValueError):
+    """A caller passed something the API cannot take (request id, token count, page list, chunk
+    size, metadata); refused before anything was reserved, opened or sent."""
+
+    code = "invalid_argument"
+
+
 class AdmissionRejected(KvxferError):
     """The request can never be served here; nothing was reserved and no byte moved."""
 
@@ -207,6 +214,7 @@ ERROR_CLASSES: dict[str, type[KvxferError]] = {
     for cls in (
         KvxferError,
         ConfigError,
+        InvalidArgument,
         GpuError,
         CapacityError,
         AdmissionRejected,

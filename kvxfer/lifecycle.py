@@ -7,7 +7,9 @@ on the receiver, ``RESERVED`` when the writer rejects before writing), so a reje
 never reach bootstrap, allocation or transfer.
 
 Receiver (decode) page custody per state: ``RESERVED``/``VERIFYING``/``READABLE`` hold pages,
-``QUARANTINED`` holds them frozen until a drain proof or a fence, terminal states hold none.
+``RELEASING`` holds them (still readable by the leases already open, by no new one) until the last
+read lease ends, ``QUARANTINED`` holds them frozen until a drain proof or a fence, terminal states
+hold none.
 Sender (prefill) custody: source pages are held until every posted write has completed.
 """
 
@@ -28,6 +30,7 @@ class ReceiverState(str, enum.Enum):
     RESERVED = "RESERVED"  # pages reserved, writes of this generation may land
     VERIFYING = "VERIFYING"  # DONE arrived behind the writes; checking coverage, bytes, checksum
     READABLE = "READABLE"  # verified; reads pass the ownership check
+    RELEASING = "RELEASING"  # released or aborted while read leases are open; pages held until they end
     QUARANTINED = "QUARANTINED"  # aborted with writes possibly in flight; pages frozen
     FAILED = "FAILED"  # terminal; pages released after a drain proof or fence
     ABORTED = "ABORTED"  # terminal; pages released after a drain proof or fence
@@ -53,7 +56,8 @@ RECEIVER_TRANSITIONS: dict[ReceiverState, frozenset[ReceiverState]] = {
     R.NEW: frozenset({R.REJECTED, R.RESERVED}),
     R.RESERVED: frozenset({R.VERIFYING, R.QUARANTINED, R.REJECTED, R.ABORTED, R.FAILED}),
     R.VERIFYING: frozenset({R.READABLE, R.FAILED}),
-    R.READABLE: frozenset({R.RELEASED, R.ABORTED}),
+    R.READABLE: frozenset({R.RELEASED, R.ABORTED, R.RELEASING}),
+    R.RELEASING: frozenset({R.RELEASED, R.ABORTED}),
     R.QUARANTINED: frozenset({R.ABORTED, R.FAILED}),
     R.REJECTED: frozenset(),
     R.FAILED: frozenset(),
@@ -78,7 +82,7 @@ RECEIVER_TERMINAL = frozenset(s for s, nxt in RECEIVER_TRANSITIONS.items() if no
 SENDER_TERMINAL = frozenset(s for s, nxt in SENDER_TRANSITIONS.items() if not nxt)
 
 # The happy path on each role; every other state is an event operators are told about.
-RECEIVER_HAPPY = frozenset({R.NEW, R.RESERVED, R.VERIFYING, R.READABLE, R.RELEASED})
+RECEIVER_HAPPY = frozenset({R.NEW, R.RESERVED, R.VERIFYING, R.READABLE, R.RELEASING, R.RELEASED})
 SENDER_HAPPY = frozenset({S.NEW, S.ADMITTED, S.READY, S.TRANSFERRING, S.DONE_SENT, S.SUCCEEDED})
 
 

@@ -22,17 +22,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .arguments import check_peer, check_rid, check_tokens, page_array
 from .checksum import ChecksumAlgo, checksum_pages
 from .errors import (
     AdmissionRejected,
     DuplicateRequest,
+    InvalidArgument,
     KvxferError,
     NotReadable,
     OwnershipError,
@@ -87,6 +89,8 @@ class ReceiveRequest:
     deadline: float = float("inf")
     failure: bool = False  # quarantined because of a failure, not a caller's abort
     abort_after_verify: str | None = None  # abort() arrived while the checksum was being verified
+    leases: int = 0  # open read leases and live page views (kvxfer.reads); pages held while > 0
+    release_as: ReceiverState | None = None  # RELEASING: the terminal state once the leases end
     error: KvxferError | None = None
     aux: bytes = b""
     created: float = field(default_factory=time.monotonic)
@@ -135,6 +139,7 @@ class Receiver:
         self.active: dict[Any, ReceiveRequest] = {}
         self.by_gen: OrderedDict[int, ReceiveRequest] = OrderedDict()
         self.recent: OrderedDict[Any, ReceiveRequest] = OrderedDict()
+        self._ended_leases: deque[ReceiveRequest] = deque()  # appended by finalizers, any thread
         self._free_slots = list(range(max_inflight - 1, -1, -1))
         self._next_gen = 1
         self.stats: Counter[str] = Counter()
@@ -158,15 +163,22 @@ class Receiver:
     def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
         """Admit a request: check it can ever fit, reserve pages, open its window, send META.
 
-        Raises :class:`AdmissionRejected` (nothing reserved, writer told), :class:`PoolExhausted`
-        (retry later), :class:`DuplicateRequest` or :class:`PeerError`."""
+        Raises :class:`InvalidArgument` (a request id, token count, peer or page list the API cannot
+        take), :class:`AdmissionRejected` (nothing reserved, writer told), :class:`PoolExhausted`
+        (retry later), :class:`DuplicateRequest` or :class:`PeerError`. On any error the ledger,
+        the windows and the request table are as they were."""
+        rid = check_rid(rid)
+        tokens = check_tokens(tokens, rid)
+        peer = check_peer(peer, rid)
+        chosen = None if pages is None else page_array(pages, num_pages=self.layout.num_pages, rid=rid)
         with self.lock:
             if rid in self.active:
                 live = self.active[rid]
                 raise DuplicateRequest(
                     f"already active in state {live.state.value}", rid=rid, generation=live.gen
                 )
-            req = ReceiveRequest(rid=rid, tokens=int(tokens), peer=peer or "", fsm=Lifecycle("receiver", rid, observer=self.observer))
+            req = ReceiveRequest(rid=rid, tokens=tokens, peer=peer or "",
+                                 fsm=Lifecycle("receiver", rid, observer=self.observer))
             rejection = self._admission_problem(req, None)
             if rejection is not None:
                 raise self._reject(req, *rejection, tell_peer=peer is not None)
@@ -179,25 +191,18 @@ class Receiver:
             if rejection is not None:
                 raise self._reject(req, *rejection, tell_peer=True)
             needed = self.layout.pages_for_tokens(req.tokens)
-            if pages is None and needed > self.ledger.free_count:
+            if chosen is None and needed > self.ledger.free_count:
                 raise PoolExhausted(
                     f"needs {needed} pages, {self.ledger.free_count} of {self.layout.num_pages} free",
                     rid=rid,
                 )
+            if chosen is not None and chosen.size != needed:
+                raise InvalidArgument(f"{chosen.size} pages given for {req.tokens} tokens; {needed} needed",
+                                      rid=rid)
             if not self._free_slots:
                 raise PoolExhausted("no free request slot", rid=rid)
             gen = self._next_gen
-            if pages is None:
-                held = self.ledger.allocate(needed, gen)
-            else:
-                chosen = np.asarray(pages, dtype=np.int64).reshape(-1)
-                if chosen.size != needed:
-                    raise AdmissionRejected(
-                        f"{chosen.size} pages given for {req.tokens} tokens; {needed} needed",
-                        reason="page_count",
-                        rid=rid,
-                    )
-                held = self.ledger.adopt(chosen, gen)
+            held = self.ledger.allocate(needed, gen) if chosen is None else self.ledger.adopt(chosen, gen)
             self._next_gen += 1
             req.gen = gen
             req.fsm.generation = gen
@@ -205,16 +210,31 @@ class Receiver:
             req.pages = held
             req.conn = info.conn
             req.deadline = self._clock() + self.transfer_timeout
-            self.guard.open(Window(rid=rid, gen=gen, slot=req.slot, conn=info.conn, pages=held))
-            req.fsm.to(R.RESERVED, f"{len(held)} pages reserved")
-            self.active[rid] = req
-            self._remember(req)
+            meta = m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held)
+            try:
+                self.guard.open(Window(rid=rid, gen=gen, slot=req.slot, conn=info.conn, pages=held))
+                req.fsm.to(R.RESERVED, f"{len(held)} pages reserved")
+                self.active[rid] = req
+                self._remember(req)
+                self._send(peer_name, meta)
+            except BaseException:
+                self._undo_admission(req)
+                raise
             self.stats["admitted"] += 1
-            self._send(
-                peer_name,
-                m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held),
-            )
             return req
+
+    def _undo_admission(self, req: ReceiveRequest) -> None:
+        """Admission failed after the reservation (nothing was sent): put everything back."""
+        self.guard.forget(req.gen)
+        self.ledger.release(req.pages, req.gen, allowed=(PageState.RESERVED,))
+        self._free_slots.append(req.slot)
+        req.slot = -1
+        if self.active.get(req.rid) is req:
+            del self.active[req.rid]
+        self.by_gen.pop(req.gen, None)
+        if self.recent.get(req.rid) is req:
+            del self.recent[req.rid]
+        log.error("request %r generation %d: admission undone after an unexpected error", req.rid, req.gen)
 
     def _admission_problem(self, req: ReceiveRequest, info: PeerInfo | None) -> tuple[str, str] | None:
         """Why the request can never be served (local limits, or with ``info`` the writer's), or None."""
@@ -249,6 +269,12 @@ class Receiver:
         return None
 
     def _reject(self, req: ReceiveRequest, reason: str, text: str, *, tell_peer: bool) -> AdmissionRejected:
+        if not req.gen:
+            # A generation names this attempt (nothing is reserved under it), so the writer can tell
+            # this REJECT from one of an earlier attempt under the same request id.
+            req.gen = self._next_gen
+            req.fsm.generation = req.gen
+            self._next_gen += 1
         req.fsm.to(R.REJECTED, reason)
         req.error = AdmissionRejected(text, reason=reason, rid=req.rid, generation=req.gen or None)
         req.finished = self._clock()
@@ -419,19 +445,20 @@ class Receiver:
               generation: int | None = None) -> ReceiveRequest:
         """Abort a request. Pages with writes possibly in flight are quarantined (never freed here)."""
         with self.lock:
+            self.drain_ended_leases()
             req = self._lookup(rid, generation)
-            if req.fsm.terminal or req.state is R.QUARANTINED:
+            if req.fsm.terminal or req.state in (R.QUARANTINED, R.RELEASING):
                 return req
             if req.state is R.VERIFYING:
                 # DONE already proved the drain; the verifier frees the pages when it concludes.
                 req.abort_after_verify = reason
                 return req
             if req.state is R.READABLE:
-                # DONE was ordered behind every write: nothing can still land.
+                # DONE was ordered behind every write: nothing can still land. Open read leases
+                # keep the pages until they end.
                 req.error = TransferAborted(reason, reason="aborted", rid=rid, generation=req.gen)
-                req.fsm.to(R.ABORTED, reason)
                 self.stats["aborted"] += 1
-                self._finish(req, release_from=(PageState.READABLE,))
+                self._end_reading(req, R.ABORTED, reason)
                 return req
             self.guard.close(req.gen)
             cls = TransferFailed if failure else TransferAborted
@@ -455,24 +482,68 @@ class Receiver:
             return req
 
     def release(self, rid: Any, *, generation: int | None = None) -> None:
-        """The consumer is done with a readable request: scrub (per policy) and free its pages."""
+        """The consumer is done with a readable request: scrub (per policy) and free its pages, now
+        or, while read leases are open, when the last one ends (never blocks)."""
         with self.lock:
+            self.drain_ended_leases()  # a read dropped just before this call has ended
             req = self._lookup(rid, generation)
             if req.state is not R.READABLE:
                 raise NotReadable(f"cannot release in state {req.state.value}", rid=rid, generation=req.gen)
-            req.fsm.to(R.RELEASED, "consumer released")
-            self._finish(req, release_from=(PageState.READABLE,))
             self.stats["released"] += 1
+            self._end_reading(req, R.RELEASED, "consumer released")
 
-    def readable_pages(self, rid: Any, *, generation: int | None = None) -> tuple[ReceiveRequest, np.ndarray]:
-        """The page-tag check: every page must be READABLE and stamped with the request's generation."""
+    def _end_reading(self, req: ReceiveRequest, end: ReceiverState, reason: str) -> None:
+        """READABLE -> ``end`` (pages freed), or -> RELEASING while read leases are open."""
+        if req.leases:
+            req.release_as = end
+            req.fsm.to(R.RELEASING, f"{reason}; {req.leases} read lease(s) open")
+            self.stats["release_deferred"] += 1
+            self.changed.notify_all()
+            return
+        req.fsm.to(end, reason)
+        self._finish(req, release_from=(PageState.READABLE,))
+
+    # read leases (kvxfer.reads) -------------------------------------------------------------------
+    def open_lease(self, rid: Any, *, generation: int | None = None) -> ReceiveRequest:
+        """The page-tag check, then one more lease: every page must be READABLE and stamped with the
+        request's generation; the pages are held until :meth:`end_lease`."""
         with self.lock:
             req = self._lookup(rid, generation)
             if req.state is not R.READABLE:
                 why = f": {req.error}" if req.error is not None else ""
                 raise NotReadable(f"not readable in state {req.state.value}{why}", rid=rid, generation=req.gen)
             self.check_ownership(req)
-            return req, req.pages
+            req.leases += 1
+            return req
+
+    def hold_lease(self, req: ReceiveRequest) -> None:
+        """One more hold on a request whose lease is open (a page view, an access in progress)."""
+        with self.lock:
+            if req.state not in (R.READABLE, R.RELEASING) or req.leases <= 0:
+                raise NotReadable(f"no open lease in state {req.state.value}", rid=req.rid, generation=req.gen)
+            req.leases += 1
+
+    def end_lease(self, req: ReceiveRequest) -> None:
+        """A hold ended; the last one completes a deferred release or abort."""
+        with self.lock:
+            if req.leases <= 0:
+                log.error("request %r generation %d: lease ended twice", req.rid, req.gen)
+                return
+            req.leases -= 1
+            if req.leases == 0 and req.state is R.RELEASING:
+                end = req.release_as or R.RELEASED
+                req.fsm.to(end, "last read lease ended")
+                self._finish(req, release_from=(PageState.READABLE,))
+
+    def end_lease_later(self, req: ReceiveRequest) -> None:
+        """:meth:`end_lease` from a finalizer: queued (no lock taken here), done by :meth:`tick`."""
+        self._ended_leases.append(req)
+
+    def drain_ended_leases(self) -> None:
+        """End the holds whose views or leases were garbage-collected since the last call."""
+        with self.lock:
+            while self._ended_leases:
+                self.end_lease(self._ended_leases.popleft())
 
     def check_ownership(self, req: ReceiveRequest) -> None:
         ok = self.ledger.owned_by(req.pages, req.gen, (PageState.READABLE,))
@@ -486,6 +557,7 @@ class Receiver:
             )
 
     def status(self, rid: Any) -> ReceiveRequest:
+        rid = check_rid(rid)
         with self.lock:
             req = self.active.get(rid) or self.recent.get(rid)
             if req is None:
@@ -520,8 +592,10 @@ class Receiver:
             return settled
 
     def tick(self) -> list[tuple[Any, str]]:
-        """Apply timeouts. Returns connections to fence (the caller fences outside the lock)."""
+        """Apply timeouts and end the leases whose views were collected. Returns connections to
+        fence (the caller fences outside the lock)."""
         with self.lock:
+            self.drain_ended_leases()
             now = self._clock()
             to_fence: dict[Any, str] = {}
             for req in list(self.active.values()):
@@ -540,6 +614,7 @@ class Receiver:
 
     # bookkeeping ---------------------------------------------------------------------------------
     def _lookup(self, rid: Any, generation: int | None) -> ReceiveRequest:
+        rid = check_rid(rid)
         req = self.active.get(rid) or self.recent.get(rid)
         if req is None:
             raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
@@ -574,15 +649,22 @@ class Receiver:
                 self.recent.popitem(last=False)
 
     def check_accounting(self) -> dict[str, int]:
-        """The pool accounting invariant, including every active request's custody."""
+        """The pool accounting invariant, including every active request's custody.
+
+        A consistent snapshot on a busy engine: every ledger, window and request change happens
+        under :attr:`lock`, which this holds throughout (data keeps moving into pages that were
+        checked before the snapshot; page states only change under the lock)."""
         from .errors import LedgerInvariantError
 
         with self.lock:
+            self.drain_ended_leases()
             counts = self.ledger.check_invariants()
             held = np.zeros(self.layout.num_pages, dtype=np.int32)
             expected_states = {
                 R.RESERVED: (PageState.RESERVED, PageState.WRITTEN),
+                R.VERIFYING: (PageState.RESERVED, PageState.WRITTEN),  # window closed, verdict pending
                 R.READABLE: (PageState.READABLE,),
+                R.RELEASING: (PageState.READABLE,),  # held for open read leases
                 R.QUARANTINED: (PageState.QUARANTINED,),
             }
             for req in self.active.values():
@@ -597,6 +679,9 @@ class Receiver:
                         f"holds pages not in {'/'.join(s.name for s in allowed)} of its generation",
                         rid=req.rid, generation=req.gen, pages=req.pages[~ok],
                     )
+                if (req.leases > 0) != (req.state is R.RELEASING) and req.state is not R.READABLE:
+                    raise LedgerInvariantError(f"{req.leases} read holds in state {req.state.value}",
+                                               rid=req.rid, generation=req.gen)
                 np.add.at(held, req.pages, 1)
                 window = self.guard.window(req.gen)
                 if (req.state is R.RESERVED) != bool(window is not None and window.open):

@@ -28,10 +28,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .arguments import check_aux, check_count, check_peer, check_rid, check_tokens, page_array
 from .checksum import ChecksumAlgo, checksum_pages
 from .errors import (
     AdmissionRejected,
     DuplicateRequest,
+    InvalidArgument,
     KvxferError,
     PeerError,
     PoolExhausted,
@@ -177,6 +179,8 @@ class Sender:
         self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
         self.max_pending_meta = max_pending_meta
         self.meta_gen_seen: dict[str, int] = {}  # per receiver: newest META generation (they only grow)
+        # Decode rejections (REJECT, generation G) for requests not admitted here yet: applied to the
+        # next admission of that id, unless a META of a newer generation shows the decode moved on.
         self.peer_rejections: dict[Any, tuple[m.Reject, float, str]] = {}
         self._next_local_gen = 1
         self.stats: Counter[str] = Counter()
@@ -189,13 +193,18 @@ class Sender:
 
         With ``external_pages`` the engine's own allocator owns the source pages and passes them to
         :meth:`send` (SGLang); kvxfer then holds none. With ``peer`` only that decode engine may give
-        the request its destination or reject it; any other peer's META/REJECT for it is refused."""
+        the request its destination or reject it; any other peer's META/REJECT for it is refused.
+
+        Raises :class:`InvalidArgument` before anything is held for an id, token count or peer the
+        API cannot take."""
+        rid = check_rid(rid)
+        tokens = check_tokens(tokens, rid)
+        peer = check_peer(peer, rid)
         with self.lock:
             if rid in self.active:
                 live = self.active[rid]
                 raise DuplicateRequest(f"already active in state {live.state.value}", rid=rid,
                                        generation=live.gen or None)
-            tokens = int(tokens)
             fsm = Lifecycle("sender", rid, observer=self.observer)
             req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
                               local_gen=0, external=external_pages, expected_peer=peer)
@@ -211,11 +220,15 @@ class Sender:
                 req.finished = self._clock()
                 self.stats["rejected"] += 1
                 self.stats[f"rejected_{reason}"] += 1
-                self._remember(req)
                 log.info("rejected at admission: %s", req.error)
                 pending = self.pending_meta.pop(rid, None)
                 if pending is not None:
+                    req.gen = pending[1].gen  # the decode's attempt this rejection answers
                     self._reject_meta(pending[0], pending[1], reason, text)
+                remembered = self.peer_rejections.pop(rid, None)
+                if remembered is not None and not req.gen:
+                    req.gen = remembered[0].gen  # both roles refused that attempt: settled
+                self._remember(req)
                 self.changed.notify_all()
                 raise req.error
             if not external_pages:
@@ -235,8 +248,9 @@ class Sender:
             if rejection is not None and peer is not None and rejection[2] != peer:
                 rejection = None  # another decode's word about a request it does not serve
             if rejection is not None:
+                req.gen = rejection[0].gen
                 self._fail(req, AdmissionRejected(f"decode rejected it: {rejection[0].detail}",
-                                                  reason=rejection[0].reason, rid=rid))
+                                                  reason=rejection[0].reason, rid=rid, generation=req.gen or None))
                 return req
             pending = self.pending_meta.pop(rid, None)
             if pending is not None and peer is not None and pending[0] != peer:
@@ -274,10 +288,17 @@ class Sender:
                     rid=msg.rid, generation=msg.gen))
                 return
             self.meta_gen_seen[peer] = msg.gen
+            remembered = self.peer_rejections.get(msg.rid)
+            if remembered is not None and remembered[2] == peer and remembered[0].gen < msg.gen:
+                # The decode rejected an older attempt and now reserved pages for a new one.
+                del self.peer_rejections[msg.rid]
+                self.stats["rejections_superseded"] += 1
             req = self.active.get(msg.rid)
             if req is None:
                 old = self.recent.get(msg.rid)
-                if old is not None and old.state is S.REJECTED and old.gen == 0:
+                if old is not None and old.state is S.REJECTED and old.gen == 0 and old.tokens == msg.tokens:
+                    # This prefill already refused this prompt (before its META arrived): answer it.
+                    # A META for another size is a retry under the same id and waits for admission.
                     old.gen = msg.gen
                     self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
                     return
@@ -369,6 +390,12 @@ class Sender:
         with self.lock:
             req = self.active.get(msg.rid)
             if req is None:
+                old = self.recent.get(msg.rid)
+                if old is not None and old.state is S.REJECTED and old.gen == 0:
+                    # This prefill refused the same attempt itself: both roles agree, nothing to keep.
+                    old.gen = msg.gen
+                    self.stats["rejections_paired"] += 1
+                    return
                 # Not admitted here (yet): remember, so its admission fails at once instead of
                 # waiting for a destination that will never come.
                 if msg.rid not in self.peer_rejections and len(self.peer_rejections) >= self.max_pending_meta:
@@ -388,8 +415,9 @@ class Sender:
                 self.stats["stale_reject"] += 1
                 return
             req.peer = peer
+            req.gen = msg.gen
             self._fail(req, AdmissionRejected(f"decode rejected it: {msg.detail}", reason=msg.reason,
-                                              rid=req.rid))
+                                              rid=req.rid, generation=msg.gen or None))
 
     def on_result(self, peer: str, msg: m.Result) -> None:
         with self.lock:
@@ -420,8 +448,10 @@ class Sender:
              aux: bytes = b"") -> SendRequest:
         """Post writes for the next chunk of the request; the chunk that reaches the end posts DONE.
 
-        ``src_pages`` (external mode) are the chunk's source pages; otherwise the chunk is the next
-        ``count`` held pages (default: all remaining)."""
+        ``src_pages`` are the chunk's source pages: the caller's own with ``external_pages``,
+        otherwise pages this request holds and has not sent yet. Without them the chunk is the
+        next ``count`` held pages (``count`` in [1, pages left]; default: all left).
+        Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
             req = self._lookup(rid)
             if req.state not in (S.READY, S.TRANSFERRING):
@@ -432,16 +462,19 @@ class Sender:
             remaining = req.total_pages - req.sent
             if req.placeholder:
                 remaining = len(req.pages) - req.sent
+            total = len(req.pages) if req.placeholder else req.total_pages
+            aux = check_aux(aux, req.rid, req.gen)
             if src_pages is not None:
-                chunk = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-                self.layout.check_pages(chunk)
+                if count is not None:
+                    raise InvalidArgument("give src_pages or count, not both", rid=rid, generation=req.gen)
+                chunk = self._check_chunk(req, src_pages)
             else:
-                take = remaining if count is None else min(int(count), remaining)
+                take = remaining if count is None else min(check_count(count, req.total_pages, rid, req.gen),
+                                                           remaining)
                 chunk = req.pages[req.sent : req.sent + take]
             if chunk.size > remaining:
-                raise TransferFailed(f"chunk of {chunk.size} pages, only {remaining} left to send",
-                                     reason="overflow", rid=rid, generation=req.gen)
-            total = len(req.pages) if req.placeholder else req.total_pages
+                raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send",
+                                      rid=rid, generation=req.gen)
             if chunk.size:
                 dst = req.dst_pages[req.sent : req.sent + chunk.size]
                 batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
@@ -469,6 +502,25 @@ class Sender:
             if last and req.state in (S.TRANSFERRING, S.READY):
                 self._post_done(req, aux)
             return req
+
+    def _check_chunk(self, req: SendRequest, src_pages: Any) -> np.ndarray:
+        """Explicit source pages: distinct, in range and, unless external, held by this request
+        and not sent before (another request's KV must never travel under this tag)."""
+        chunk = page_array(src_pages, num_pages=self.layout.num_pages, rid=req.rid, what="source pages")
+        if chunk.size == 0:
+            raise InvalidArgument("source page list is empty", rid=req.rid, generation=req.gen)
+        if req.external:
+            return chunk
+        foreign = chunk[~np.isin(chunk, req.pages)]
+        if foreign.size:
+            raise InvalidArgument("source pages not held by this request (admit with external_pages=True to "
+                                  "send pages of your own allocator)", rid=req.rid, generation=req.gen,
+                                  pages=foreign[:8])
+        if req.src_sent:
+            again = chunk[np.isin(chunk, np.concatenate(req.src_sent))]
+            if again.size:
+                raise InvalidArgument("source pages already sent", rid=req.rid, generation=req.gen, pages=again[:8])
+        return chunk
 
     def _sum_later(self, batch: WriteBatch) -> None:
         """Source item checksums of the batch, computed on the checksum thread while the transport
@@ -625,6 +677,7 @@ class Sender:
 
     # bookkeeping -----------------------------------------------------------------------------------
     def _lookup(self, rid: Any) -> SendRequest:
+        rid = check_rid(rid)
         req = self.active.get(rid) or self.recent.get(rid)
         if req is None:
             raise UnknownRequest("never admitted here (or forgotten)", rid=rid)

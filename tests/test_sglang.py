@@ -185,9 +185,25 @@ def test_prefill_and_decode_sequences_reach_success_with_the_bytes(pd):
     assert sender.get_transfer_metric().transfer_total_bytes == len(src) * sum(decode.mgr.kv_args.kv_item_lens)
     receiver.clear()
     sender.clear()
-    # polls never go backwards and the pages are handed to SGLang (kvxfer holds nothing)
+    # polls never go backwards; the pages stay in kvxfer's read custody while SGLang's request
+    # reads them, and that custody ends when SGLang transfers into them again (it freed them)
     assert receiver.poll() == KVPoll.Success and sender.poll() == KVPoll.Success
-    assert decode.mgr.engine.pool.ledger.free_count == decode.mgr.layout.num_pages
+    engine = decode.mgr.engine
+    assert engine.status(room).state.value == "READABLE"
+    assert engine.pool.ledger.free_count == decode.mgr.layout.num_pages - len(dst)
+    reuse_src, reuse_dst = np.array([1, 2]), np.array([dst[3], 11])  # page dst[3] handed out again
+    prefill.fill(reuse_src, seed=2)
+    sender2, receiver2 = _bootstrap(prefill, decode, room + 1, reuse_src, reuse_dst, aux=(2, 6))
+    assert engine.status(room).state.value == "RELEASED"
+    sender2.send(reuse_src.astype(np.int32), None)
+    assert _poll_until(receiver2, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    for got, want in zip(decode.page_bytes(reuse_dst), prefill.page_bytes(reuse_src)):
+        assert np.array_equal(got, want)
+    # the same room reused: its held generation ends, the new one transfers
+    sender3, receiver3 = _bootstrap(prefill, decode, room + 1, src[:1], dst[:1], aux=(3, 7))
+    sender3.send(src[:1].astype(np.int32), None)
+    assert _poll_until(receiver3, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert engine.pool.ledger.free_count == decode.mgr.layout.num_pages - 1
 
 
 def test_over_capacity_request_fails_on_both_sides_and_moves_nothing(pd):

@@ -274,7 +274,7 @@ class Reject(Message):
         "the ordered data path, so it also proves no write for gen is in flight."
     )
     rid: Rid = _f(RID, "request id")
-    gen: int = _f(UINT, "request generation, 0 when the sender never learned one")
+    gen: int = _f(UINT, "generation of the attempt refused (receivers give rejected attempts one too)")
     reason: str = _f(STR, "machine-readable reason (e.g. 'exceeds_pool')")
     detail: str = _f(STR, "human-readable error")
 

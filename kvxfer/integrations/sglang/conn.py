@@ -21,6 +21,9 @@ The contract SGLang's schedulers rely on, and how it is kept:
   row at its ``aux_index`` only after the transfer verified.
 * A prefill sender reports a terminal state only once every write it posted has completed, so
   SGLang frees source pages only when nothing still reads them.
+* Read custody: a verified request stays READABLE in kvxfer while SGLang's model reads its pages
+  on the device; the custody ends when SGLang hands those pages (or the room) to a new transfer,
+  which is SGLang saying it freed the request. kvxfer never allocates pages of its own here.
 * Deferred decode KV release: ``is_abort_release_safe(room, acks)`` is true only after kvxfer has a
   drain proof or fenced the connection; kvxfer's drain timeout is set below SGLang's deferred-release
   timeout, so SGLang's own timeout never frees a page kvxfer still guards.
@@ -145,6 +148,10 @@ class KvxferKVManager(BaseKVManager):
         self.tp_rank = int(getattr(args, "engine_rank", 0) or 0) % self.tp_size
         self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))
         self._peers: dict[tuple[str, int], str] = {}
+        # Decode: verified requests whose pages SGLang's model now reads (on the device), by
+        # generation -> room. kvxfer keeps them READABLE, its read custody, until SGLang hands
+        # those pages (or the room) to a new transfer, which shows SGLang freed the request.
+        self._custody: dict[int, int] = {}
         self.engine: Any
         faults = None
         if os.environ.get("KVXFER_TEST_FAULTS") == "1":  # test-only; off unless explicitly set
@@ -224,6 +231,26 @@ class KvxferKVManager(BaseKVManager):
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         return None
+
+    # read custody (decode) ----------------------------------------------------------------------
+    def keep_custody(self, bootstrap_room: int, generation: int) -> None:
+        """A verified request goes to SGLang's model: kvxfer holds its pages READABLE meanwhile."""
+        self._custody[generation] = bootstrap_room
+
+    def end_custody(self, *, bootstrap_room: int, pages: np.ndarray) -> None:
+        """SGLang is about to transfer into ``pages`` for ``bootstrap_room``: it freed whichever held
+        request owned those pages (or that room) before, so kvxfer's custody of them ends."""
+        ledger = self.engine.pool.ledger
+        with self.engine.lock:
+            in_range = pages[(pages >= 0) & (pages < ledger.num_pages)]
+            gens = {int(g) for g in ledger.generation[in_range]}
+        for gen, room in list(self._custody.items()):
+            if gen in gens or room == bootstrap_room:
+                del self._custody[gen]
+                try:
+                    self.engine.release(room, generation=gen)
+                except KvxferError as exc:  # already gone (a newer generation of the room, a close)
+                    log.debug("custody of room %s generation %d: %s", room, gen, exc)
 
     # aux (metadata) rows ---------------------------------------------------------------------
     def read_aux(self, index: int) -> bytes:
@@ -380,6 +407,7 @@ class KvxferKVReceiver(BaseKVReceiver):
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         self.aux_index = aux_index
+        self.kv_mgr.end_custody(bootstrap_room=self.bootstrap_room, pages=pages)
         try:
             req = self.engine.admit(self.bootstrap_room, len(pages) * self.kv_mgr.layout.page_size,
                                     peer=self.peer, pages=pages)
@@ -407,7 +435,7 @@ class KvxferKVReceiver(BaseKVReceiver):
                 self.engine.abort(self.bootstrap_room, str(exc))
                 self._fail(str(exc))
                 return KVPoll.Failed
-            self._hand_over()
+            self._hand_over(req.gen)
             self.conclude_state = KVPoll.Success
             return self.status.advance(KVPoll.Success)
         if req.fsm.terminal or req.state is R.QUARANTINED:
@@ -415,15 +443,12 @@ class KvxferKVReceiver(BaseKVReceiver):
             return KVPoll.Failed
         return self.status.value
 
-    def _hand_over(self) -> None:
-        """The verified pages now belong to SGLang's request: kvxfer stops tracking them (its free
-        policy is "keep", so the bytes stay as they are)."""
+    def _hand_over(self, generation: int) -> None:
+        """The verified pages now belong to SGLang's request, whose model reads them on the device.
+        kvxfer keeps them READABLE (its custody) until SGLang reuses the pages or the room."""
         if not self.released:
             self.released = True
-            try:
-                self.engine.release(self.bootstrap_room, generation=self.generation)
-            except KvxferError:
-                pass
+            self.kv_mgr.keep_custody(self.bootstrap_room, generation)
 
     def _fail(self, reason: str) -> None:
         self.failure = self.failure or reason
@@ -448,8 +473,7 @@ class KvxferKVReceiver(BaseKVReceiver):
             pass
 
     def clear(self) -> None:
-        if self.status.value == KVPoll.Success:
-            self._hand_over()
+        return None
 
 
 class KvxferKVBootstrapServer(CommonKVBootstrapServer):

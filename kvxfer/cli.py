@@ -1,4 +1,10 @@
-"""The ``kvxfer`` command line: one subcommand per job, each in its own module, imported on use."""
+"""The ``kvxfer`` command line: one subcommand per job, each in its own module, imported on use.
+
+The jobs that run engines or child processes (``demo``, ``stress``, ``bench``, ``serve-toy``) stop
+cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGHUP: children stopped, temporary files removed, one line
+on stderr naming the job and the signal, exit status 128 + the signal's number
+(:func:`kvxfer.procs.run_stoppable`).
+"""
 
 from __future__ import annotations
 
@@ -212,10 +218,17 @@ def _version() -> str:
     return __version__
 
 
+STOPPABLE = ("demo", "stress", "bench", "serve-toy")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in STOPPABLE:
+        from .procs import run_stoppable
+
+        return run_stoppable(f"kvxfer {args.command}", lambda: int(args.func(args) or 0))
     return int(args.func(args) or 0)
 
 

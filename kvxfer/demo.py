@@ -15,18 +15,22 @@ not by status code:
    owner's bytes are untouched.
 
 Exit status 0 only if every expectation held. ``--json PATH`` writes the same results.
+
+The engines' logs and key pairs live in one :class:`kvxfer.procs.TempDir`: removed when the demo
+ends, and by the engine processes themselves if the demo is killed before it can (they never
+outlive it).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import procs
 from .auth import write_cluster
 from .errors import AdmissionRejected, CapacityError, KvxferError, NotReadable
 from .node import NodeClient, NodeSpec, spawn
@@ -58,7 +62,7 @@ class Demo:
         self.linger = linger
         self.announce = announce
         self.outcomes: list[Outcome] = []
-        self._logs = tempfile.TemporaryDirectory(prefix="kvxfer-demo-")
+        self._logs = procs.TempDir(prefix="kvxfer-demo-")
         # one key pair per engine, each trusting the other: the control plane is authenticated
         self.keyrings = {path.name: str(path) for path in write_cluster(Path(self._logs.name) / "keys",
                                                                          ["prefill", "decode"])}
@@ -310,6 +314,10 @@ class Demo:
                 node.close()
         self.decode = self.prefill = None
 
+    def remove_files(self) -> None:
+        """Remove the logs and key pairs (after close(); log_tail() has nothing to show afterwards)."""
+        self._logs.cleanup()
+
     def linger_here(self) -> None:
         """Keep the engines (and their metrics endpoints) up for ``linger`` seconds after the session."""
         if self.metrics_port is None and not self.linger:
@@ -348,7 +356,10 @@ def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: b
         _print_outcomes(console, demo, outcomes, elapsed, verbose)
         demo.linger_here()
     finally:
-        demo.close()
+        try:
+            demo.close()
+        finally:
+            demo.remove_files()
     ok = len(outcomes) == demo.expected_steps and all(o.ok for o in outcomes)
     if json_path:
         Path(json_path).write_text(json.dumps({

@@ -8,6 +8,10 @@ answers are ``[true, result]`` or ``[false, {code, message}]`` and the client re
 
 The node fills and checks page contents with :mod:`kvxfer.oracle`, so what a test asserts is the
 bytes the decode process actually holds, not a status code.
+
+A node never outlives its parent (:mod:`kvxfer.procs`): it watches the parent's lifeline, and SIGTERM
+or SIGINT (from the parent, a terminal, or the kernel when the parent dies) closes its engine before
+it exits with status 128 + N.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +30,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import oracle
+from . import oracle, procs
 from .engine import DecodeEngine, EngineConfig, PrefillEngine
 from .errors import ERROR_CLASSES, KvxferError, PeerError
 from .layout import KVLayout
@@ -76,6 +79,8 @@ class _Node:
                           "metrics": getattr(self.engine, "metrics_address", None)}), flush=True)
         running = True
         while running:
+            if not self.rep.poll(200):  # wake up regularly, so a stop signal's handler runs promptly
+                continue
             method, kwargs = msgpack.unpackb(self.rep.recv(), raw=False)
             try:
                 result = getattr(self, f"rpc_{method}")(**kwargs)
@@ -89,8 +94,15 @@ class _Node:
                 reply = [False, {"code": "error", "message": f"{type(exc).__name__}: {exc}", "text": str(exc)}]
             self.rep.send(msgpack.packb(reply, use_bin_type=True, default=_plain))
             running = method != "shutdown"
-        self.rep.close(0)
-        self.ctx.term()
+
+    def close(self) -> None:
+        """Close the engine, then the RPC socket (idempotent)."""
+        try:
+            self.engine.close()
+        finally:
+            self.rep.close(0)
+            if not self.ctx.closed:
+                self.ctx.term()
 
     # common ----------------------------------------------------------------------------------
     def rpc_ping(self) -> str:
@@ -246,9 +258,9 @@ class _Node:
 
     def rpc_read_check(self, rid: Any, seed: int = 0, release: bool = True) -> dict[str, Any]:
         """Read the request through the ownership-checked API and compare with the oracle."""
-        kv = self.engine.read(rid)
-        views = [kv.buffer(b) for b in range(self.layout.num_buffers)]
-        report = oracle.check(self.layout, kv.pages, rid=rid, gen=kv.generation, seed=seed, views=views)
+        with self.engine.read(rid) as kv:
+            views = [kv.buffer(b) for b in range(self.layout.num_buffers)]
+            report = oracle.check(self.layout, kv.pages, rid=rid, gen=kv.generation, seed=seed, views=views)
         if release:
             self.engine.release(rid)
         return report.to_dict()
@@ -300,13 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     spec = NodeSpec(**json.loads(args.spec))
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role} %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    procs.adopt()
+    procs.stop_on_signals()
     try:
-        node = _Node(spec)
-    except KvxferError as exc:
-        print(json.dumps({"error": {"code": exc.code, "message": exc.detail, "text": str(exc)}}), flush=True)
-        return 2
-    node.serve()
+        try:
+            node = _Node(spec)
+        except KvxferError as exc:
+            print(json.dumps({"error": {"code": exc.code, "message": exc.detail, "text": str(exc)}}), flush=True)
+            return 2
+        try:
+            node.serve()
+        finally:
+            node.close()
+    except procs.Interrupted as stop:
+        log.info("stopped by %s", stop.name)
+        return 128 + stop.signum
     return 0
 
 
@@ -324,6 +344,7 @@ class NodeClient:
         self.metrics: str | None = info.get("metrics")
         self._rpc_address = info["rpc"]
         self._timeout = timeout
+        self._abandoned = False  # a call went unanswered: the node may still be busy with it
         self._ctx = zmq.Context()
         self._sock = self._new_socket()
 
@@ -342,15 +363,20 @@ class NodeClient:
         return self.process.poll() is None
 
     def call(self, method: str, **kwargs: Any) -> Any:
+        return self._call(method, kwargs, self._timeout)
+
+    def _call(self, method: str, kwargs: dict[str, Any], timeout: float) -> Any:
         if not self.alive():
             raise PeerError(f"{self.spec.role} node (pid {self.pid}) is not running")
         try:
             self._sock.send(msgpack.packb([method, kwargs], use_bin_type=True, default=_plain))
-            ok, result = msgpack.unpackb(self._sock.recv(), raw=False, strict_map_key=False)
-        except zmq.Again:
+            ok, result = msgpack.unpackb(self._receive(method, timeout), raw=False, strict_map_key=False)
+        except BaseException:
+            # no answer (timeout, a dead node, a stop signal): the REQ socket still waits for it, replace it
+            self._abandoned = True
             self._sock.close(0)
             self._sock = self._new_socket()
-            raise PeerError(f"{self.spec.role} node did not answer {method} within {self._timeout:g} s") from None
+            raise
         if ok:
             return result
         cls = ERROR_CLASSES.get(result.get("code"), KvxferError)
@@ -361,6 +387,17 @@ class NodeClient:
         if result.get("check") is not None:
             exc.check = result["check"]
         raise exc
+
+    def _receive(self, method: str, timeout: float) -> bytes:
+        """The answer, or PeerError as soon as the node is gone or ``timeout`` has passed."""
+        deadline = time.monotonic() + timeout
+        while not self._sock.poll(100):
+            if not self.alive():
+                raise PeerError(f"{self.spec.role} node (pid {self.pid}) exited with status "
+                                f"{self.process.returncode} before it answered {method}")
+            if time.monotonic() > deadline:
+                raise PeerError(f"{self.spec.role} node did not answer {method} within {timeout:g} s")
+        return self._sock.recv()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -374,16 +411,17 @@ class NodeClient:
             self.process.wait(timeout=10)
 
     def close(self) -> None:
+        """Stop the node: the shutdown call, or SIGTERM when that fails or an earlier call went unanswered
+        (the node may still be busy with it); SIGKILL as the last resort (:func:`kvxfer.procs.stop`)."""
         if self.alive():
-            try:
-                self.call("shutdown")
-            except KvxferError:
-                pass
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            answered = False
+            if not self._abandoned:
+                try:
+                    self.call("shutdown")
+                    answered = True
+                except KvxferError:
+                    pass
+            procs.stop(self.process, grace=10.0 if answered else 0.0)
         self._sock.close(0)
         self._ctx.term()
         if self.process.stdout is not None:
@@ -397,10 +435,13 @@ class NodeClient:
 
 
 def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None) -> NodeClient:
-    """Start a node process; raise the child's startup error (e.g. CapacityError) if it refuses."""
+    """Start a node process; raise the child's startup error (e.g. CapacityError) if it refuses.
+
+    The node dies with this process (:func:`kvxfer.procs.popen`), and removes this process's
+    :class:`kvxfer.procs.TempDir` directories if this process dies first."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    process = subprocess.Popen(
+    process = procs.popen(
         [sys.executable, "-m", "kvxfer.node", json.dumps(asdict(spec))],
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -409,7 +450,12 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None) -> NodeC
     )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None
-    line = process.stdout.readline()
+    try:
+        line = process.stdout.readline()
+    except BaseException:  # a stop signal while the node starts: it goes too
+        process.kill()
+        process.wait()
+        raise
     if not line:
         process.wait(timeout=max(1.0, deadline - time.monotonic()))
         raise PeerError(f"{spec.role} node exited with status {process.returncode} before it started")

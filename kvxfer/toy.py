@@ -128,8 +128,8 @@ class ToyServer:
             done = self.decode.wait(rid, timeout=60)
             if done.state is not ReceiverState.READABLE:
                 return 500, {"error": f"KV transfer failed: {done.error}"}
-            read = self.decode.read(rid)
-            context = decode_words(read.buffer(0), len(words))
+            with self.decode.read(rid) as read:
+                context = decode_words(read.buffer(0), len(words))
             self.decode.release(rid)
         except KvxferError as exc:
             return 500, {"error": str(exc)}
@@ -265,13 +265,16 @@ def serve(config: ToyConfig) -> int:
     mode = "UNSAFE LEGACY (reproduces the incident)" if config.unsafe_legacy else "kvxfer checks on"
     print(f"kvxfer toy server on http://{config.host}:{httpd.server_address[1]} ({mode}); prefill pool "
           f"{config.prefill_pages * config.page_size:,} tokens, advertised context {config.context:,}", flush=True)
+    timer = threading.Timer(config.max_seconds or 0, httpd.shutdown)
+    timer.daemon = True  # a stopped server must not wait for it
     if config.max_seconds:
-        threading.Timer(config.max_seconds, httpd.shutdown).start()
+        timer.start()
     try:
         httpd.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         pass
     finally:
+        timer.cancel()
         httpd.server_close()
         server.close()
     return 0

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +21,11 @@ from kvxfer.transport.faults import FaultInjector
 
 faults_mod.enable()
 logging.getLogger("kvxfer").setLevel(logging.INFO)
+
+# Process hygiene: every process the suite starts inherits this marker (children copy os.environ), so
+# whatever still carries it when the session ends, pytest itself aside, was left behind by a test.
+SESSION_MARKER = "KVXFER_TEST_SESSION"
+os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
 ITEM = 1024
 BUFFERS = 3
@@ -52,6 +60,10 @@ class Pair:
 
     @property
     def link(self) -> Any:
+        """The prefill's data link (the decode may see the connection a moment before the prefill
+        has stored it)."""
+        wait_for(lambda: self.prefill.peers[self.decode.engine_id].link is not None, timeout=5,
+                 what="the prefill's data link")
         return self.prefill.peers[self.decode.engine_id].link
 
     def transfer(self, rid: Any, tokens: int, *, seed: int = 0) -> np.ndarray:
@@ -65,9 +77,9 @@ class Pair:
         return src
 
     def expect_content(self, rid: Any, src: np.ndarray) -> None:
-        kv = self.decode.read(rid)
-        for b in range(self.decode.layout.num_buffers):
-            assert np.array_equal(kv.buffer(b), self.prefill.layout.views()[b][src])
+        with self.decode.read(rid) as kv:
+            for b in range(self.decode.layout.num_buffers):
+                assert np.array_equal(kv.buffer(b), self.prefill.layout.views()[b][src])
 
 
 @pytest.fixture
@@ -113,3 +125,42 @@ def engines() -> Iterator[Callable[..., Pair]]:
     for engine in reversed(made):
         engine.close()
     assert not errors, "pool accounting invariant broken: " + "; ".join(errors)
+
+
+def processes_carrying(name: str, value: str) -> dict[int, str]:
+    """PID -> command line of every live process whose environment holds ``name=value`` (Linux /proc)."""
+    entry = f"{name}={value}".encode()
+    found: dict[int, str] = {}
+    if not os.path.isdir("/proc"):
+        return found
+    for pid in (int(n) for n in os.listdir("/proc") if n.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """At the end of the session, fail if a process the suite started is still running (and kill it)."""
+    yield
+    deadline = time.monotonic() + 15  # processes being stopped right now get time to finish
+    while True:
+        left = {pid: cmd for pid, cmd in processes_carrying(SESSION_MARKER, os.environ[SESSION_MARKER]).items()
+                if pid != os.getpid()}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if left:
+        pytest.fail("processes left behind by the test session (now killed): "
+                    + "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in sorted(left.items())), pytrace=False)

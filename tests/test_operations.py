@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -62,8 +63,14 @@ def test_demo_metrics_endpoint_counts_the_scripted_failures():
         decode = scrape(f"http://127.0.0.1:{port}/metrics")
         prefill = scrape(f"http://127.0.0.1:{port + 1}/metrics")
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        proc.terminate()  # SIGTERM: the demo stops its engine processes and removes its files
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == 128 + signal.SIGTERM
     # the scripted rejection, abort and checksum failure, as the decode engine counted them
     assert decode[("kvxfer_rejections_total", (("reason", "exceeds_peer_pool"),))] >= 1
     assert decode[("kvxfer_aborts_total", (("cause", "caller"),))] >= 1

@@ -6,6 +6,9 @@ processes, destination pages allocated at random so they are scattered across th
 ``ib_write_bw`` on the same device for verbs; the plain two-process socket stream and, when
 installed, Mooncake's and NIXL's TCP paths for tcp (:mod:`.baselines`). Speed targets are judged on
 the printed ratios, never by timed unit tests.
+
+Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.procs`);
+a stop signal closes every session that was started, without the closing measurements.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import procs
 from ..node import NodeSpec, spawn
 
 
@@ -90,8 +94,8 @@ class Session:
     def run_once(self) -> float:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def close(self) -> None:  # pragma: no cover - overridden
-        pass
+    def close(self, *, measure: bool = True) -> None:  # pragma: no cover - overridden
+        """Stop the contestant's processes; ``measure=False`` (a stop signal): skip closing measurements."""
 
 
 def _geometry(config: BenchConfig, page_bytes: int) -> tuple[int, int, int, int]:
@@ -156,8 +160,8 @@ class KvxferSession(Session):
             self.post_rates.append(sent["post_rate"])
         return float(received["seconds"])
 
-    def close(self) -> None:
-        if self.decode is not None:
+    def close(self, *, measure: bool = True) -> None:
+        if self.decode is not None and measure:
             try:
                 end = self.decode.rss()
                 growth = end["peak_rss"] - self.rss_start["rss"]
@@ -191,9 +195,8 @@ class PeerSession(Session):
         import sys
 
         env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", "kvxfer.bench.peers", self.args[0], role, *self.args[1:], *extra],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=env)
+        proc = procs.popen([sys.executable, "-m", "kvxfer.bench.peers", self.args[0], role, *self.args[1:], *extra],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self.procs.append(proc)
         info = self._read(proc) or {"error": f"{role} exited with {proc.wait()}"}
         if "error" in info:
@@ -226,7 +229,7 @@ class PeerSession(Session):
             raise RuntimeError(info["error"])
         return float(info["seconds"])
 
-    def close(self) -> None:
+    def close(self, *, measure: bool = True) -> None:
         for proc in reversed(self.procs):
             try:
                 proc.stdin.write("quit\n")
@@ -234,11 +237,7 @@ class PeerSession(Session):
             except (OSError, ValueError):
                 pass
         for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except Exception:
-                proc.kill()
-                proc.wait()
+            procs.stop(proc, grace=20.0 if measure else 2.0)
 
 
 def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any) -> list[Session]:
@@ -267,32 +266,12 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     with tempfile.TemporaryFile("w+") as node_log:
         for page_bytes in config.page_sizes:
             sessions = sessions_for(config, page_bytes, node_log)
-            live: list[Session] = []
-            for session in sessions:
-                results.append(session.result)
-                try:
-                    session.start()
-                    live.append(session)
-                except Exception as exc:
-                    session.result.error = f"{type(exc).__name__}: {exc}"
-                    session.close()
-            console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + ('' if s.result.checks == 'off' or not s.result.transport.startswith('kvxfer') else ' (checks on)') for s in live)}; {config.repeat} rounds")
-            for round_no in range(config.repeat + 1):
-                shift = round_no % max(1, len(live))
-                for session in live[shift:] + live[:shift]:
-                    if session.result.error:
-                        continue
-                    try:
-                        seconds = session.run_once()
-                    except Exception as exc:
-                        session.result.error = f"{type(exc).__name__}: {exc}"
-                        continue
-                    if round_no:
-                        session.result.runs.append(seconds)
-            for session in live:
-                session.close()
-                if session.result.runs:
-                    session.result.seconds = statistics.median(session.result.runs)
+            try:
+                _run_rounds(config, page_bytes, sessions, results, console)
+            except BaseException:  # a stop signal: close whatever was started, fast
+                for session in sessions:
+                    session.close(measure=False)
+                raise
         if any(r.error and r.transport.startswith("kvxfer") for r in results):
             node_log.seek(0)
             tail = node_log.read()[-3000:]
@@ -319,6 +298,37 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
             "ratios": ratios,
         }, indent=2) + "\n")
     return 1 if any(r.error and r.transport.startswith("kvxfer") for r in results) else 0
+
+
+def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], results: list[CaseResult],
+                console: Any) -> None:
+    """Start the sessions of one page size, run the interleaved rounds, close them."""
+    live: list[Session] = []
+    for session in sessions:
+        results.append(session.result)
+        try:
+            session.start()
+            live.append(session)
+        except Exception as exc:
+            session.result.error = f"{type(exc).__name__}: {exc}"
+            session.close()
+    console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + ('' if s.result.checks == 'off' or not s.result.transport.startswith('kvxfer') else ' (checks on)') for s in live)}; {config.repeat} rounds")
+    for round_no in range(config.repeat + 1):
+        shift = round_no % max(1, len(live))
+        for session in live[shift:] + live[:shift]:
+            if session.result.error:
+                continue
+            try:
+                seconds = session.run_once()
+            except Exception as exc:
+                session.result.error = f"{type(exc).__name__}: {exc}"
+                continue
+            if round_no:
+                session.result.runs.append(seconds)
+    for session in live:
+        session.close()
+        if session.result.runs:
+            session.result.seconds = statistics.median(session.result.runs)
 
 
 def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 Each runner moves the same bytes the same way as far as its tool allows and returns a
 :class:`~kvxfer.bench.CaseResult` named by its ``transport`` field (``ib_write_bw``,
 ``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``). A runner whose tool is not installed returns a
-result carrying the reason, so the table says what was skipped and why.
+result carrying the reason, so the table says what was skipped and why. ``ib_write_bw`` runs under
+:func:`kvxfer.procs.popen_foreign`: it dies with the bench.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import procs
 from . import BenchConfig, CaseResult, PeerSession, Session
 
 
@@ -54,13 +56,22 @@ class IbWriteBwSession(Session):
         self.port += 1
         args = ["-d", device, "-x", gid, "-F", "-s", str(self.result.page_bytes), "-D", str(self.DURATION),
                 "-p", str(self.port)]
-        server = subprocess.Popen([self.binary, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(1.0)
-        client = subprocess.run([self.binary, *args, address], capture_output=True, text=True, timeout=120)
-        server_out, _ = server.communicate(timeout=120)
-        rate = _parse_perftest(client.stdout) or _parse_perftest(server_out)
+        server = procs.popen_foreign([self.binary, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        client = None
+        try:
+            time.sleep(1.0)
+            client = procs.popen_foreign([self.binary, *args, address], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+            client_out, client_err = client.communicate(timeout=120)
+            server_out, _ = server.communicate(timeout=120)
+        finally:  # a timeout or a stop signal: neither outlives the round
+            for proc in (client, server):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        rate = _parse_perftest(client_out) or _parse_perftest(server_out)
         if rate is None:
-            raise RuntimeError(f"could not parse ib_write_bw output: {client.stdout[-300:]} {client.stderr[-300:]}")
+            raise RuntimeError(f"could not parse ib_write_bw output: {client_out[-300:]} {client_err[-300:]}")
         return self.result.bytes / (rate * 2**20)  # perftest's MB/sec is MiB/s
 
 

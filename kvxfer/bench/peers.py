@@ -13,7 +13,8 @@ stdin/stdout, one JSON object per line:
 Run: ``python -m kvxfer.bench.peers PEER ROLE PAGES PAGE_BYTES POOL_PAGES [TARGET_JSON]``.
 Mooncake (``mooncake-transfer-engine-non-cuda``) and NIXL (``nixl-cu12 --no-deps``, with
 ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` and its initiator progress thread off, the best setting
-measured here) are optional; a missing one exits with a one-line reason.
+measured here) are optional; a missing one exits with a one-line reason. A peer process never
+outlives the bench that started it (:func:`kvxfer.procs.adopt`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from .. import procs
 
 HEADER = struct.Struct("<IQ")
 MOONCAKE_BATCH = 1024
@@ -207,6 +210,7 @@ ROLES = {
 }
 
 if __name__ == "__main__":
+    procs.adopt()  # the bench gone, SIGTERM (default action: exit) and, failing that, _exit
     peer, role = sys.argv[1], sys.argv[2]
     pages, page_bytes, pool_pages = map(int, sys.argv[3:6])
     fn = ROLES[(peer, role)]

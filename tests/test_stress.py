@@ -35,6 +35,8 @@ def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path):
     assert report["prefill_pool_free_at_end"] == report["prefill_pool_total"]
     assert report["requests"] == 160 and report["completed"] > 0 and report["pages_checked"] > 0
     assert report["rejected"] == report["faults"]["oversized"] > 0
+    # the accounting invariant was checked on the live nodes while requests were in flight
+    assert report["accounting_checks_during_run"] >= 2 and report["accounting_errors"] == []
     fired = {name for name, count in report["faults"].items() if count}
     assert len(fired) >= 8, report["faults"]
     for key in ("transport", "aborted", "failed", "stale_writes_refused", "bytes_moved", "throughput_gbps"):

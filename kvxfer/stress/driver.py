@@ -7,7 +7,8 @@ verdict per request is made from what the decode process actually holds (:mod:`k
 at the end both pools must be whole again.
 
 Invariants of the run: it stops by itself (request count and/or duration, then a bounded settle);
-it only talks to processes it started, on loopback.
+it only talks to processes it started, on loopback; those processes and its key directory (a
+:class:`kvxfer.procs.TempDir`) do not outlive it, even when it is killed (:mod:`kvxfer.procs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import procs
 from ..errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from ..node import NodeClient, NodeSpec, spawn
 from .workload import ALL_FAULTS, RequestPlan, StressConfig, Workload
@@ -72,6 +74,7 @@ class StressResult:
     decode_stats: dict[str, Any] = field(default_factory=dict)
     prefill_stats: dict[str, Any] = field(default_factory=dict)
     accounting_errors: list[str] = field(default_factory=list)
+    accounting_checks: int = 0  # check_accounting() calls on a live node during the run
     settled: bool = True
     kills: int = 0
     leak_sources: set = field(default_factory=set)
@@ -142,6 +145,7 @@ class StressResult:
             "prefill_pool_total": int(self.prefill_stats.get("pool_total", 0)),
             "prefill_pool_free_at_end": int(self.prefill_stats.get("pool_free", 0)),
             "accounting_errors": self.accounting_errors,
+            "accounting_checks_during_run": self.accounting_checks,
             "settled": self.settled,
             "bytes_moved": self.bytes_moved,
             "seconds": round(self.elapsed, 3),
@@ -167,13 +171,12 @@ class StressDriver:
         self.peer = ""
         self._t0 = 0.0
         # one key pair per role (a respawned writer keeps its role's key): authenticated control plane
-        import tempfile
-
         from ..auth import write_cluster
 
-        self._keys = tempfile.TemporaryDirectory(prefix="kvxfer-stress-keys-")
+        self._keys = procs.TempDir(prefix="kvxfer-stress-keys-")
         self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, ["prefill", "decode"])}
         self._next_sample = 0.0
+        self._next_audit = 0.0
         self._fault_counts_closed: Counter = Counter()
 
     # nodes ---------------------------------------------------------------------------------------
@@ -251,15 +254,19 @@ class StressDriver:
                         self._act(live, now)
                 self._poll()
                 self._sample(now)
+                self._audit(now)
                 self.live = {rid: lv for rid, lv in self.live.items() if lv.phase is not Phase.END}
                 if self._on_progress is not None:
                     self._on_progress(self.result, len(self.live))
             self._settle()
         finally:
             self.result.elapsed = time.monotonic() - self._t0 if self._t0 else 0.0
-            for node in (self.prefill, self.decode):
-                if node is not None:
-                    node.close()
+            try:
+                for node in (self.prefill, self.decode):
+                    if node is not None:
+                        node.close()
+            finally:
+                self._keys.cleanup()
         del cfg
         return self.result
 
@@ -475,6 +482,22 @@ class StressDriver:
         assert self.decode is not None
         landed = self.decode.stats()["writes"]["landed_bytes"]
         self.result.samples.append((now - self._t0, int(landed)))
+
+    def _audit(self, now: float) -> None:
+        """The accounting invariant on both live nodes, while requests are in flight (once a second)."""
+        if now < self._next_audit:
+            return
+        self._next_audit = now + 1.0
+        for node in (self.decode, self.prefill):
+            if node is None or not node.alive():
+                continue  # a killed writer is being replaced (kill_sender)
+            try:
+                node.accounting()
+                self.result.accounting_checks += 1
+            except PeerError:
+                continue  # died between the check and the call: the restart handles it
+            except KvxferError as exc:
+                self.result.accounting_errors.append(f"{node.spec.role} during the run: {exc}")
 
     # the end -----------------------------------------------------------------------------------------
     def _settle(self) -> None:

@@ -34,6 +34,8 @@ def summary_table(result: StressResult) -> Any:
         ("rejected requests that succeeded", bad(s["rejected_succeeded"])),
         ("stale writes refused", s["stale_writes_refused"]),
         ("quarantined at end", bad(s["quarantined_at_end"])),
+        ("accounting checks while running / violations",
+         f"{s['accounting_checks_during_run']} / {bad(len(s['accounting_errors']))}"),
         ("decode pool free at end", f"{s['pool_free_at_end']} / {s['pool_total']}"),
         ("bytes moved", f"{s['bytes_moved']:,}"),
         ("throughput", f"{s['throughput_gbps']:.3f} GB/s over {s['seconds']:.1f} s"),

@@ -174,16 +174,16 @@ class TcpReceiver:
                 sock, _addr = self._listener.accept()
             except OSError:
                 return
-            if self._closed:
-                sock.close()
-                return
             _tune(sock)
             inbound = _Inbound(sock)
             thread = threading.Thread(target=self._serve, args=(inbound,), name="kvxfer-tcp-recv", daemon=True)
             inbound.thread = thread
-            with self._lock:
+            with self._lock:  # close() either sees this connection with its thread started, or not at all
+                if self._closed:
+                    sock.close()
+                    return
                 self._pending.add(inbound)
-            thread.start()
+                thread.start()
 
     def _serve(self, inbound: _Inbound) -> None:
         sock = inbound.sock
@@ -348,9 +348,10 @@ class TcpReceiver:
             return list(self._conns)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
         except OSError:

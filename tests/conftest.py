@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,6 +41,21 @@ def fill_random(layout: KVLayout, pages: np.ndarray, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for view in layout.views():
         view[pages] = rng.integers(0, 256, size=(len(pages), view.shape[1]), dtype=np.uint8)
+
+
+def free_port_pair() -> int:
+    """A free TCP port whose successor is free too (a tool that serves on PORT and PORT + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

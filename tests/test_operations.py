@@ -19,7 +19,7 @@ from kvxfer import DecodeEngine, EngineConfig
 from kvxfer.errors import AdmissionRejected, ConfigError
 from kvxfer.events import EventLog
 
-from .conftest import PAGE_TOKENS, make_layout, wait_for
+from .conftest import PAGE_TOKENS, free_port_pair, make_layout, wait_for
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -33,23 +33,9 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.mark.slow
 def test_demo_metrics_endpoint_counts_the_scripted_failures():
-    port = _free_port_pair()
+    port = free_port_pair()
     proc = subprocess.Popen([sys.executable, "-m", "kvxfer", "demo", "--metrics-port", str(port), "--linger", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import processes_carrying
+from .conftest import free_port_pair, processes_carrying
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -80,20 +80,6 @@ def _refuses(port: int) -> bool:
             return False
     except OSError:
         return True
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 # one tool run ------------------------------------------------------------------------------------------
@@ -222,7 +208,7 @@ def _stop_line(run: ToolRun, before: int, tool: str, sig: signal.Signals) -> str
 
 
 def test_sigkilled_demo_leaves_no_process_port_or_temp_dir(start):
-    port = _free_port_pair()
+    port = free_port_pair()
     run = start("demo", "--metrics-port", str(port), "--linger", "60")
     run.wait_until("the demo lingers", lambda: run.printed("lingering"))
     nodes = run.children("kvxfer.node")
@@ -249,11 +235,17 @@ def test_sigkilled_stress_leaves_nothing_including_a_restarted_writer(start):
     assert_left_nothing(run, sockets)
 
 
-def test_sigkilled_bench_leaves_no_node_or_peer_process(start):
+def _start_bench(start):
+    """A long bench against the raw-socket baseline, once its two nodes and two peers run."""
     run = start("bench", "--total", "1G", "--request-bytes", "4M", "--page-bytes", "64K", "--repeat", "50",
                 "--checks", "on", "--baselines", "raw-socket")
     run.wait_until("nodes and peers", lambda: len(run.children("kvxfer.node")) == 2
                    and len(run.children("kvxfer.bench.peers")) == 2)
+    return run
+
+
+def test_sigkilled_bench_leaves_no_node_or_peer_process(start):
+    run = _start_bench(start)
     sockets = listening_of(list(run.processes()))
     run.proc.kill()
     assert run.exit_status() == -signal.SIGKILL
@@ -299,10 +291,7 @@ def test_stress_stopped_by_ctrl_c_says_one_line_and_leaves_nothing(start):
 
 
 def test_bench_stopped_by_sigterm_says_one_line_and_leaves_nothing(start):
-    run = start("bench", "--total", "1G", "--request-bytes", "4M", "--page-bytes", "64K", "--repeat", "50",
-                "--checks", "on", "--baselines", "raw-socket")
-    run.wait_until("nodes and peers", lambda: len(run.children("kvxfer.node")) == 2
-                   and len(run.children("kvxfer.bench.peers")) == 2)
+    run = _start_bench(start)
     sockets = listening_of(list(run.processes()))
     before = _signal(run, signal.SIGTERM, False)
     assert run.exit_status() == 128 + signal.SIGTERM, run.output()

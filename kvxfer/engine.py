@@ -594,9 +594,11 @@ class DecodeEngine(_Engine):
         self._check_open()
         return self.receiver.admit(rid, tokens, peer=peer, pages=pages)
 
-    def abort(self, rid: Any, reason: str = "aborted by caller") -> ReceiveRequest:
+    def abort(self, rid: Any, reason: str = "aborted by caller", *, generation: int | None = None) -> ReceiveRequest:
+        """Abort a request (``generation``: only that generation of the id; StaleGeneration otherwise).
+        Pages with writes possibly in flight are quarantined until a drain proof or a fence."""
         self._check_open()
-        return self.receiver.abort(rid, reason)
+        return self.receiver.abort(rid, reason, generation=generation)
 
     def status(self, rid: Any) -> ReceiveRequest:
         return self.receiver.status(rid)
@@ -915,10 +917,18 @@ class PrefillEngine(_Engine):
     def source_pages(self, rid: Any) -> np.ndarray:
         return self.sender.source_pages(rid)
 
-    def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None, aux: bytes = b"") -> SendRequest:
-        """Post the next chunk (default: everything left); the final chunk posts DONE behind it."""
+    def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None, aux: bytes = b"",
+             ready: Any = None) -> SendRequest:
+        """Post the next chunk (default: everything left); the final chunk posts DONE behind it.
+        ``ready`` (e.g. a CUDA event recorded after the kernel that writes the source pages) is
+        waited on before the transport reads them."""
         self._check_open()
-        return self.sender.send(rid, src_pages, count=count, aux=aux)
+        return self.sender.send(rid, src_pages, count=count, aux=aux, ready=ready)
+
+    def refuse(self, rid: Any, reason: str = "aborted", detail: str = "the prefill gave up on the request") -> None:
+        """Give up on a request not admitted here: a decode's destination for it gets REJECT at once."""
+        self._check_open()
+        self.sender.refuse(rid, reason, detail)
 
     def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
         self._check_open()

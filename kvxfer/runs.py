@@ -38,6 +38,19 @@ class WriteBatch:
     sums_filled: int = 0
     sums_done: bool = False
     sums_ready: Any = None
+    # Set by the caller when the source pages are still being written by a device stream (SGLang's
+    # early send under overlap scheduling): an object with ``synchronize()`` (a CUDA event) or
+    # ``wait()``. Whoever reads the source pages first waits on it (:meth:`wait_sources`).
+    ready: Any = None
+
+    def wait_sources(self) -> None:
+        """Block until the source pages hold what the caller wrote (no-op without ``ready``)."""
+        ready = self.ready
+        if ready is None:
+            return
+        wait = getattr(ready, "synchronize", None) or ready.wait
+        wait()
+        self.ready = None
 
     def log_bytes(self) -> bytes:
         """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""

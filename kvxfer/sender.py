@@ -182,6 +182,9 @@ class Sender:
         # Decode rejections (REJECT, generation G) for requests not admitted here yet: applied to the
         # next admission of that id, unless a META of a newer generation shows the decode moved on.
         self.peer_rejections: dict[Any, tuple[m.Reject, float, str]] = {}
+        # Requests the caller gave up on before admitting them (refuse()): a destination offered for
+        # one is answered with REJECT at once instead of waiting for meta_timeout.
+        self.refused: dict[Any, tuple[str, str, float]] = {}
         self._next_local_gen = 1
         self.stats: Counter[str] = Counter()
         self.observer = observer
@@ -205,6 +208,7 @@ class Sender:
                 live = self.active[rid]
                 raise DuplicateRequest(f"already active in state {live.state.value}", rid=rid,
                                        generation=live.gen or None)
+            self.refused.pop(rid, None)  # a new attempt under that id
             fsm = Lifecycle("sender", rid, observer=self.observer)
             req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
                               local_gen=0, external=external_pages, expected_peer=peer)
@@ -294,6 +298,11 @@ class Sender:
                 del self.peer_rejections[msg.rid]
                 self.stats["rejections_superseded"] += 1
             req = self.active.get(msg.rid)
+            refusal = self.refused.pop(msg.rid, None) if req is None else None
+            if refusal is not None:
+                self.stats["refused_meta"] += 1
+                self._reject_meta(peer, msg, refusal[0], refusal[1])
+                return
             if req is None:
                 old = self.recent.get(msg.rid)
                 if old is not None and old.state is S.REJECTED and old.gen == 0 and old.tokens == msg.tokens:
@@ -445,12 +454,13 @@ class Sender:
             return self._lookup(rid).pages
 
     def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None,
-             aux: bytes = b"") -> SendRequest:
+             aux: bytes = b"", ready: Any = None) -> SendRequest:
         """Post writes for the next chunk of the request; the chunk that reaches the end posts DONE.
 
         ``src_pages`` are the chunk's source pages: the caller's own with ``external_pages``,
         otherwise pages this request holds and has not sent yet. Without them the chunk is the
-        next ``count`` held pages (``count`` in [1, pages left]; default: all left).
+        next ``count`` held pages (``count`` in [1, pages left]; default: all left). ``ready`` (a
+        CUDA event or anything with ``wait()``) is waited on before the source pages are read.
         Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
             req = self._lookup(rid)
@@ -479,6 +489,7 @@ class Sender:
                 dst = req.dst_pages[req.sent : req.sent + chunk.size]
                 batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
                 batch.owner = req
+                batch.ready = ready
                 batch.final = req.sent + chunk.size == total
                 self._sum_later(batch)
                 req.posted += len(batch)
@@ -543,6 +554,7 @@ class Sender:
 
         def compute() -> None:
             try:
+                batch.wait_sources()
                 raw = native.lib.checksum_items(algo_id, initial, addresses.tobytes(), lengths.tobytes(),
                                                 items.tobytes())
                 batch.item_sums = np.frombuffer(raw, dtype=np.uint32)
@@ -564,6 +576,25 @@ class Sender:
         req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
         self.stats["done_sent"] += 1
         self.changed.notify_all()
+
+    def refuse(self, rid: Any, reason: str, detail: str) -> None:
+        """The caller gave up on ``rid`` before admitting it (its client left, its bootstrap timed
+        out): a destination a receiver reserved for it is answered with REJECT now, or as soon as it
+        arrives (until ``meta_timeout``), so the receiver frees its pages at once. An admitted
+        request is aborted instead."""
+        rid = check_rid(rid)
+        with self.lock:
+            if rid in self.active:
+                self.abort(rid, detail)
+                return
+            pending = self.pending_meta.pop(rid, None)
+            if pending is not None:
+                self.stats["refused_meta"] += 1
+                self._reject_meta(pending[0], pending[1], reason, detail)
+                return
+            if len(self.refused) >= self.max_pending_meta:
+                self.refused.pop(next(iter(self.refused)))
+            self.refused[rid] = (reason, detail, self._clock() + self.meta_timeout)
 
     def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
         """Stop a request. Its receiver learns it on the ordered path once posted writes completed."""
@@ -668,6 +699,9 @@ class Sender:
             for rid, (_msg, deadline, _peer) in list(self.peer_rejections.items()):
                 if now >= deadline:
                     del self.peer_rejections[rid]
+            for rid, (_reason, _detail, deadline) in list(self.refused.items()):
+                if now >= deadline:
+                    del self.refused[rid]
             for rid, (peer, msg, deadline) in list(self.pending_meta.items()):
                 if now >= deadline:
                     del self.pending_meta[rid]

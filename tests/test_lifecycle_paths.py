@@ -502,3 +502,42 @@ def test_checksums_taken_as_bytes_land_match_a_reading_pass(engines):
         assert landed == checksum_pages(pair.decode.layout, req.pages, "adler32")
     else:
         assert landed is None
+
+
+def test_a_refused_request_frees_the_decodes_pages_at_once(engines):
+    """The prefill's caller gave up on a request it never admitted (SGLang: the client left while the
+    request waited for its bootstrap): a destination for it is answered with REJECT at once."""
+    pair = engines(meta_timeout=30.0)
+    pair.decode.admit("early", 4 * PAGE_TOKENS, peer=pair.peer)  # the META arrives first
+    wait_for(lambda: "early" in pair.prefill.sender.pending_meta, what="pending META")
+    pair.prefill.refuse("early")
+    assert pair.decode.wait("early", timeout=5).state is R.REJECTED
+    pair.prefill.refuse("late")  # the refusal arrives first
+    pair.decode.admit("late", 4 * PAGE_TOKENS, peer=pair.peer)
+    assert pair.decode.wait("late", timeout=5).state is R.REJECTED
+    assert pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages
+    # a new attempt under a refused id is admitted normally
+    src = pair.transfer("late", 4 * PAGE_TOKENS, seed=2)
+    assert pair.decode.wait("late").state is R.READABLE
+    pair.expect_content("late", src)
+
+
+def test_send_waits_for_the_sources_ready_event_before_reading_them(engines):
+    """SGLang's early send under overlap scheduling: the forward pass may still be writing the pages
+    when send() is called; the transport reads them only after the event."""
+    import threading
+
+    pair = engines()
+    pair.prefill.admit("ev", 4 * PAGE_TOKENS)
+    pair.decode.admit("ev", 4 * PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("ev")
+    src = pair.prefill.source_pages("ev")
+    ready = threading.Event()
+    pair.prefill.send("ev", ready=ready)
+    time.sleep(0.2)
+    assert pair.decode.status("ev").state is R.RESERVED  # nothing read, nothing landed
+    assert pair.decode.stats()["writes"]["landed_bytes"] == 0
+    fill_random(pair.prefill.layout, src, 77)  # the "forward pass" finishes writing
+    ready.set()
+    assert pair.decode.wait("ev").state is R.READABLE
+    pair.expect_content("ev", src)

@@ -525,6 +525,7 @@ class TcpLink:
             return self._queue.popleft()
 
     def _send_batch(self, job: _WriteJob) -> None:
+        job.batch.wait_sources()
         if self._staging is not None:
             self._send_batch_staged(job)
             return

@@ -639,6 +639,7 @@ class VerbsLink:
                 # ordered message behind it waits until it has posted and completed.
                 self._held.append((time.monotonic() + self.faults.config.late_delay_s, job))
                 return
+        batch.wait_sources()
         self._post_batch(batch, on_complete, decision)
 
     def _post_batch(self, batch: WriteBatch, on_complete: Any, decision: dict[str, bool] | None = None) -> None:

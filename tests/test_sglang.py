@@ -41,6 +41,8 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from kvxfer.wire import messages as m  # noqa: E402
 
+from .sglang_env import make_tiny_llama, publish_rank  # noqa: E402
+
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 BACKEND = TransferBackend("kvxfer")
 
@@ -54,7 +56,8 @@ def _free_port() -> int:
 class Rank:
     """One scheduler rank's KV pool (SGLang's MHA layout), metadata buffers and kvxfer manager."""
 
-    def __init__(self, mode: DisaggregationMode, pages: int, port: int, context: int) -> None:
+    def __init__(self, mode: DisaggregationMode, pages: int, port: int, context: int, model: str,
+                 **extra_args: object) -> None:
         slots = (pages + 1) * PAGE  # SGLang pads the pool by one page
         self.k = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.v = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -70,9 +73,11 @@ class Rank:
         args.page_size = PAGE
         args.kv_cache_dtype_str = "bfloat16"
         args.ib_device = None
-        server_args = ServerArgs(model_path="dummy-model", disaggregation_mode=mode.value,
+        args.state_item_lens, args.state_types, args.kv_layout, args.system_dp_rank, args.pp_rank = [], [], None, 0, 0
+        server_args = ServerArgs(model_path=model, device="cpu", disaggregation_mode=mode.value,
                                  disaggregation_transfer_backend="kvxfer", disaggregation_bootstrap_port=port,
-                                 host="127.0.0.1", context_length=context)
+                                 host="127.0.0.1", context_length=context, **extra_args)
+        publish_rank(server_args)  # what SGLang's scheduler process does before it builds the manager
         self.mgr = get_kv_class(BACKEND, KVClassType.MANAGER)(args, mode, server_args, False)
         self.bootstrap_addr = f"127.0.0.1:{port}"
 
@@ -99,8 +104,13 @@ def _verbs_ready() -> tuple[bool, str]:
     return verbs.available()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
 @pytest.fixture(params=["tcp", pytest.param("verbs", marks=pytest.mark.verbs)])
-def pd(request, monkeypatch):
+def pd(request, monkeypatch, tiny_model):
     """A bootstrap server, a prefill rank and a decode rank (decode pool twice the prefill's), over
     the tcp transport, and over verbs where a verbs device exists (the soft-RoCE VM)."""
     if request.param == "verbs":
@@ -111,8 +121,8 @@ def pd(request, monkeypatch):
     monkeypatch.setenv("KVXFER_TRANSPORT", request.param)
     port = _free_port()
     server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
-    prefill = Rank(DisaggregationMode.PREFILL, 24, port, context=24 * PAGE)
-    decode = Rank(DisaggregationMode.DECODE, 48, port, context=24 * PAGE)
+    prefill = Rank(DisaggregationMode.PREFILL, 24, port, context=24 * PAGE, model=tiny_model)
+    decode = Rank(DisaggregationMode.DECODE, 48, port, context=24 * PAGE, model=tiny_model)
     yield prefill, decode
     for rank in (decode, prefill):
         if rank.mgr.engine.faults is not None:
@@ -139,6 +149,7 @@ def _bootstrap(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.
     receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
                                                             bootstrap_room=room)
     assert sender.poll() == KVPoll.Bootstrapping and receiver.poll() == KVPoll.Bootstrapping
+    assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)  # the decode scheduler's lookup
     receiver.init(prefill_dp_rank=0)
     assert receiver.poll() == KVPoll.WaitingForInput
     receiver.send_metadata(dst.astype(np.int32), aux_index=aux[1], state_indices=None, decode_prefix_len=0)
@@ -199,6 +210,8 @@ def test_prefill_and_decode_sequences_reach_success_with_the_bytes(pd):
     assert _poll_until(receiver2, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     for got, want in zip(decode.page_bytes(reuse_dst), prefill.page_bytes(reuse_src)):
         assert np.array_equal(got, want)
+    receiver2.clear()
+    sender2.clear()
     # the same room reused: its held generation ends, the new one transfers
     sender3, receiver3 = _bootstrap(prefill, decode, room + 1, src[:1], dst[:1], aux=(3, 7))
     sender3.send(src[:1].astype(np.int32), None)
@@ -260,6 +273,8 @@ def test_reused_room_gets_a_new_generation_and_old_messages_cannot_touch_it(pd):
     assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     old_gen = receiver.generation
+    receiver.clear()  # SGLang clears a concluded request before its room can come back
+    sender.clear()
     # the same room again: a new request, a new generation; its writer stalls and it is aborted
     prefill.mgr.engine.faults.pause()
     sender2, receiver2 = _bootstrap(prefill, decode, room, src, dst, aux=(2, 2))
@@ -297,15 +312,46 @@ def test_corrupted_transfer_fails_poll(pd):
     assert int(decode.meta.bootstrap_room[3][0]) == 0  # no metadata row for an unverified transfer
 
 
-def test_backend_registers_in_spawned_processes_through_the_launcher_environment():
-    from kvxfer.integrations.sglang.launch_server import environment
-
-    code = ("import sglang.srt.disaggregation.utils as u; "
+def test_sglangs_own_plugin_loader_registers_the_backend_in_a_fresh_process():
+    """The entry point in pyproject.toml (group ``sglang.srt.plugins``): SGLang loads it in
+    launch_server before parsing arguments and in every process it spawns; nothing imported early."""
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "import sglang.srt.disaggregation.utils as u; "
             "from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES as c; "
             "print(u.get_kv_class(u.TransferBackend('kvxfer'), u.KVClassType.SENDER).__name__, 'kvxfer' in c)")
-    out = subprocess.run([sys.executable, "-c", code], env=environment(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["KvxferKVSender", "True"]
+
+
+def test_an_admission_refusal_aborts_with_http_400_through_the_plugins_hook():
+    """SGLang aborts every failed transfer with 500; kvxfer's hook (registered by the plugin, applied
+    by SGLang's loader) makes a prompt refused at admission a 400, other failures stay 500."""
+    code = ("import types; from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "from sglang.srt.disaggregation import decode; from kvxfer.integrations.sglang import ADMISSION_REFUSED; "
+            "r1, r2 = types.SimpleNamespace(return_logprob=False), types.SimpleNamespace(return_logprob=False); "
+            "decode.prepare_abort(r1, ADMISSION_REFUSED + ' prompt of 608 tokens can never fit', status_code=500); "
+            "decode.prepare_abort(r2, 'connection lost', status_code=500); "
+            "print(int(r1.finished_reason.status_code), int(r2.finished_reason.status_code))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["400", "500"]
+
+
+def test_plain_launch_server_accepts_the_backend_and_refuses_unsupported_layouts(tiny_model):
+    """``python -m sglang.launch_server --disaggregation-transfer-backend kvxfer`` parses (no wrapper),
+    and a layout kvxfer cannot serve is refused at startup naming the setting."""
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model, "--device", "cpu",
+                          "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvxfer",
+                          "--disaggregation-decode-enable-radix-cache", "--help"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "invalid choice" not in out.stderr, out.stderr[-2000:]
+    from kvxfer.integrations.sglang.conn import unsupported_settings
+
+    server_args = ServerArgs(model_path=tiny_model, device="cpu", disaggregation_mode="decode",
+                             disaggregation_decode_enable_radix_cache=True, pp_size=2)
+    problems = unsupported_settings(KVArgs(), server_args, DisaggregationMode.DECODE)
+    assert any("--pp-size 2" in p for p in problems) and any("radix-cache" in p for p in problems), problems
 
 
 def test_importing_kvxfer_never_imports_sglang():
@@ -313,3 +359,91 @@ def test_importing_kvxfer_never_imports_sglang():
            "print(any(k.startswith('sglang') for k in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_prefill_bootstrap_timeout_fails_the_sender_and_refuses_a_late_destination(pd):
+    """SGLang's bootstrap timeout (no decode metadata in time) applies to kvxfer's sender, and a
+    destination the decode reserves afterwards is answered with REJECT at once."""
+    prefill, decode = pd
+    prefill.mgr.bootstrap_timeout = 0.5  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, read at startup
+    room = 4242
+    sender = get_kv_class(BACKEND, KVClassType.SENDER)(mgr=prefill.mgr, bootstrap_addr=prefill.bootstrap_addr,
+                                                        bootstrap_room=room)
+    assert _poll_until(sender, {KVPoll.Failed}, timeout=10) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="timed out"):
+        sender.failure_exception()
+    receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
+                                                            bootstrap_room=room)
+    assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)
+    receiver.init(prefill_dp_rank=0)
+    receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=1, state_indices=None, decode_prefix_len=0)
+    assert _poll_until(receiver, {KVPoll.Failed, KVPoll.Success}, timeout=10) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="bootstrap timed out"):
+        receiver.failure_exception()
+    assert decode.mgr.engine.pool.ledger.free_count == decode.mgr.layout.num_pages
+
+
+def test_decode_waiting_timeout_aborts_and_the_pages_wait_for_the_drain(pd):
+    prefill, decode = pd
+    decode.mgr.waiting_timeout = 0.5  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT, read at startup
+    src, dst = np.array([1, 2, 3]), np.array([4, 5, 6])
+    prefill.mgr.engine.faults.pause()  # the writer stalls mid-transfer
+    sender, receiver = _bootstrap(prefill, decode, 777, src, dst, aux=(1, 1))
+    sender.send(src[:1].astype(np.int32))
+    assert _poll_until(receiver, {KVPoll.Failed, KVPoll.Success}, timeout=10) == KVPoll.Failed
+    assert decode.mgr.engine.status(777).state.value == "QUARANTINED"
+    assert decode.mgr.is_abort_release_safe(777, 1) is False
+    prefill.mgr.engine.faults.resume()
+    deadline = time.monotonic() + 20
+    while not decode.mgr.is_abort_release_safe(777, 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert decode.mgr.is_abort_release_safe(777, 1)
+    assert _poll_until(sender, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+
+
+def test_an_early_send_waits_for_the_forward_pass_event(pd):
+    """Overlap scheduling: SGLang hands the sender an event recorded after the forward pass that
+    writes the prefix pages; nothing may read those pages before it completes."""
+    import threading
+
+    prefill, decode = pd
+    src, dst = np.array([7, 8]), np.array([9, 10])
+    sender, receiver = _bootstrap(prefill, decode, 555, src, dst, aux=(1, 1))
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def synchronize(self) -> None:
+            self.done.wait(30)
+
+    event = Event()
+    sender._early_send_wait_event = event
+    sender.send(src.astype(np.int32))
+    time.sleep(0.3)
+    assert decode.mgr.engine.stats()["writes"]["landed_bytes"] == 0
+    prefill.fill(src, seed=9)  # the forward pass finishes writing
+    event.done.set()
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    for got, want in zip(decode.page_bytes(dst), prefill.page_bytes(src)):
+        assert np.array_equal(got, want)
+
+
+def test_a_prefill_with_another_tp_size_is_refused_naming_both(tiny_model, monkeypatch):
+    port = _free_port()
+    server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    prefill = Rank(DisaggregationMode.PREFILL, 8, port, context=8 * PAGE, model=tiny_model)
+    decode = Rank(DisaggregationMode.DECODE, 8, port, context=8 * PAGE, model=tiny_model)
+    try:
+        decode.mgr.attn_tp_size = 2  # as a TP-2 decode rank would have it
+        receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
+                                                                bootstrap_room=99)
+        assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)
+        receiver.init(prefill_dp_rank=0)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(KVTransferError, match="prefill attention TP 1 != decode 2"):
+            receiver.failure_exception()
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Install the pinned SGLang release the integration tests drive, without its CUDA stack.
+"""Install the pinned SGLang release the integration tests drive, and what its servers need on a CPU.
 
-SGLang's wheel depends on CUDA kernels, flash-attention and more; its disaggregation classes need
-none of them. This installs the pinned `sglang` with --no-deps plus the pure-Python packages and the
-torch/torchvision pair its imports reach (torchvision: SGLang's module graph imports it). Already
-installed: nothing to do. Used by .ci/run and the README's test command.
+SGLang's wheel depends on CUDA kernels, flash-attention and more; its disaggregation classes and its
+CPU serving path (torch_native attention) need none of them. This installs the pinned `sglang` with
+--no-deps, the pure-Python packages its imports and its HTTP server reach, `sglang-router` for PD
+mode, and the torch/torchvision pair its module graph imports. That pair is PyPI's CUDA build (the
+CPU torch wheel has no torchvision that imports beside it): about 5.6 GB of the install, most of it
+CUDA libraries nothing here loads. Already installed: nothing to do. Used by .ci/run and the README's
+test command.
 
     python3 tools/install_sglang.py [--check]
 """
@@ -21,6 +24,13 @@ LIGHT = [
     "aiohttp", "requests", "psutil", "pybase64", "starlette", "msgspec", "tqdm", "transformers", "dill",
     "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "gguf", "pydantic", "orjson", "ipython",
 ]
+# What `python -m sglang.launch_server` and the PD router need beyond the classes (the e2e tests run
+# real servers on the CPU): the HTTP stack, SGLang's imports at server start, the router.
+SERVER = [
+    "uvloop", "fastapi", "uvicorn", "setproctitle", "openai==2.8.0", "partial_json_parser", "einops", "soundfile",
+    "python-multipart", "sglang-router==0.3.2",
+]
+NO_DEPS = ["xgrammar"]  # its dependency list would replace the pinned torch
 
 
 def installed(spec: str) -> bool:
@@ -44,9 +54,12 @@ def main() -> int:
     pip = [sys.executable, "-m", "pip", "install", "-q"]
     if not all(installed(s) for s in TORCH):
         subprocess.run(pip + TORCH, check=True)
-    missing = [s for s in LIGHT if not installed(s)]
+    missing = [s for s in LIGHT + SERVER if not installed(s)]
     if missing:
         subprocess.run(pip + missing, check=True)
+    missing = [s for s in NO_DEPS if not installed(s)]
+    if missing:
+        subprocess.run(pip + ["--no-deps", *missing], check=True)
     if not installed(SGLANG):
         subprocess.run(pip + ["--no-deps", SGLANG], check=True)
     if not importable():

@@ -1,10 +1,13 @@
 """kvxfer as a drop-in SGLang disaggregation transfer backend (``--disaggregation-transfer-backend kvxfer``).
 
-SGLang has no plugin entry point, so :func:`register` adds ``kvxfer`` to SGLang's backend enum and
-argument choices and routes ``get_kv_class`` to :mod:`.conn`'s classes. It must run in every SGLang
-process (SGLang spawns its schedulers); ``python -m kvxfer.integrations.sglang.launch_server ARGS``
-does that for you (see ``docs/sglang.md``). This module imports SGLang only when :func:`register`
-is called; :mod:`.conn` imports it at import time.
+:func:`register` is kvxfer's entry point in SGLang's plugin group ``sglang.srt.plugins``
+(pyproject.toml): SGLang calls it in ``launch_server`` before parsing arguments and again in every
+process it spawns (schedulers, detokenizer, DP controller). It adds ``kvxfer`` to SGLang's backend
+enum and argument choices, routes ``get_kv_class`` to :mod:`.conn`'s classes, and registers one hook
+through SGLang's hook registry: an abort whose reason is a kvxfer admission refusal (a prompt that
+can never fit, see :data:`ADMISSION_REFUSED`) answers the client with HTTP 400, not 500. This module
+imports SGLang only when :func:`register` is called; :mod:`.conn` imports it at import time.
+``SGLANG_PLUGINS`` (SGLang's whitelist of plugin names) can leave it out.
 
 Tested against: sglang 0.5.23 (:data:`TESTED_VERSIONS`).
 """
@@ -16,7 +19,19 @@ from typing import Any
 
 BACKEND = "kvxfer"
 TESTED_VERSIONS = ("0.5.23",)
+ADMISSION_REFUSED = "[kvxfer: refused at admission]"  # leads every failure reason of that kind
 _MARK = "_kvxfer_wrapped"
+_PREPARE_ABORT = "sglang.srt.disaggregation.utils.prepare_abort"
+
+
+def _admission_refusals_are_client_errors(original: Any, req: Any, error_message: str, status_code: Any = None) -> Any:
+    """SGLang aborts every failed transfer with 500; a prompt kvxfer refused at admission (longer
+    than a pool can ever hold) is the client's to fix: 400, with kvxfer's reason in the message."""
+    if ADMISSION_REFUSED in str(error_message):
+        from http import HTTPStatus
+
+        status_code = HTTPStatus.BAD_REQUEST
+    return original(req, error_message, status_code=status_code)
 
 
 def _extend_enum(enum_cls: Any, name: str, value: str) -> Any:
@@ -41,7 +56,10 @@ def register() -> None:
     import sglang
     from sglang.srt.arg_groups import choices
     from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if not any(hook is _admission_refusals_are_client_errors for _, hook, _ in HookRegistry._hooks.get(_PREPARE_ABORT, [])):
+        HookRegistry.register(_PREPARE_ABORT, _admission_refusals_are_client_errors, HookType.AROUND)
     version = getattr(sglang, "__version__", "?")
     if version not in TESTED_VERSIONS:
         import warnings

@@ -1,66 +1,78 @@
-"""SGLang's disaggregation transfer classes, implemented on kvxfer engines.
+"""SGLang's disaggregation transfer classes, implemented on kvxfer engines over SGLang's Common* classes.
 
-* :class:`KvxferKVManager` (one per scheduler rank) owns a kvxfer :class:`~kvxfer.PrefillEngine` or
-  :class:`~kvxfer.DecodeEngine` over the rank's KV buffers (``kv_data_ptrs/lens/item_lens``: one
-  kvxfer buffer each, page ``p`` at ``ptr + p * item_len``). Its pool mirrors SGLang's allocator:
-  SGLang chooses the pages, kvxfer adopts them for the transfer's lifetime.
-* :class:`KvxferKVSender` / :class:`KvxferKVReceiver` (one per request and role) map SGLang's call
-  sequence onto a kvxfer request whose id is the ``bootstrap_room`` (reused rooms get a new kvxfer
-  generation, so an old room's messages never touch the new one).
-* :class:`KvxferKVBootstrapServer` is SGLang's own HTTP registry: prefill ranks register their kvxfer
-  control address there, decode ranks look it up.
+* :class:`KvxferKVManager` (one per scheduler rank) is a ``CommonKVManager``: SGLang's own bookkeeping
+  (``request_status``, ``failure_records``, ``prefill_info_table``, ``connection_pool``, the
+  decode's heartbeat checker and node-failure handling, ``try_ensure_parallel_info``) drives what
+  the schedulers see, and a kvxfer :class:`~kvxfer.PrefillEngine` / :class:`~kvxfer.DecodeEngine`
+  over the rank's KV buffers (one kvxfer buffer per ``kv_data_ptrs`` entry, page ``p`` at
+  ``ptr + p * item_len``) moves and verifies the pages. SGLang chooses the pages; kvxfer adopts them
+  for a transfer's lifetime. The prefill registers its kvxfer control address in SGLang's bootstrap
+  registry (``rank_ip``/``rank_port``), through Common's own registration.
+* :class:`KvxferKVSender` / :class:`KvxferKVReceiver` are ``CommonKVSender`` / ``CommonKVReceiver``
+  whose kvxfer request id is the ``bootstrap_room`` (a reused room gets a new kvxfer generation, so an
+  old room's messages never touch the new one). Each ``poll()`` first folds the kvxfer request's
+  state into Common's status table, then runs Common's poll, so SGLang's bootstrap timeout (prefill)
+  and waiting timeout (decode) apply unchanged.
+* :class:`KvxferKVBootstrapServer` is SGLang's own HTTP registry.
 
-The contract SGLang's schedulers rely on, and how it is kept:
+The schedulers' contract, and how it is kept (SGLang 0.5.23's prefill.py and decode.py):
 
-* ``KVPoll`` values only move forward and ``Failed`` is sticky (:class:`_Status`).
-* ``failure_exception()`` raises SGLang's ``KVTransferError(bootstrap_room, reason)``.
-* The size is checked at the first call that sees it (``init`` on prefill, ``send_metadata`` on
-  decode) by kvxfer admission; an over-capacity request fails there, both sides, no byte moved.
-* The last chunk is the one that reaches the page count given to ``init``; the metadata row
-  (``aux_*`` buffers at the request's ``aux_index``) travels inside DONE and lands in the decode's
-  row at its ``aux_index`` only after the transfer verified.
-* A prefill sender reports a terminal state only once every write it posted has completed, so
-  SGLang frees source pages only when nothing still reads them.
-* Read custody: a verified request stays READABLE in kvxfer while SGLang's model reads its pages
-  on the device; the custody ends when SGLang hands those pages (or the room) to a new transfer,
-  which is SGLang saying it freed the request. kvxfer never allocates pages of its own here.
-* Deferred decode KV release: ``is_abort_release_safe(room, acks)`` is true only after kvxfer has a
-  drain proof or fenced the connection; kvxfer's drain timeout is set below SGLang's deferred-release
-  timeout, so SGLang's own timeout never frees a page kvxfer still guards.
+* ``KVPoll`` only moves forward and ``Failed`` is sticky (Common's ``update_status``);
+  ``failure_exception()`` raises ``KVTransferError`` with the recorded reason.
+* Size: kvxfer admission runs at the first call that sees it (``init`` on prefill, ``send_metadata``
+  on decode); an over-capacity request fails there, on both roles, no byte moved.
+* The chunk that reaches the page count given to ``init`` is the last: the metadata row (``aux_*``
+  at ``aux_index``) travels inside DONE and lands in the decode's row only after verification.
+  SGLang's early send under overlap scheduling hands over ``_early_send_wait_event``: the transport
+  reads the source pages only after that event (and ``indices_event``) completed.
+* A prefill sender aborted before admission refuses the room in kvxfer, so a decode that already
+  reserved pages for it gets REJECT at once (also after SGLang's bootstrap timeout).
+* Read custody: a verified request stays READABLE in kvxfer while SGLang's model reads its pages on
+  the device; the custody ends when SGLang hands those pages, or the room, to a new transfer.
+* Deferred decode KV release: ``is_abort_release_safe`` is true only after kvxfer has a drain proof
+  for the aborted generation or fenced its connection; kvxfer's drain timeout is set below SGLang's
+  deferred-release timeout, so SGLang's own timeout never frees a page kvxfer still guards.
+* A dead prefill: kvxfer fails the requests on its data connection at once; SGLang's heartbeat
+  checker forgets the bootstrap address, and the next request re-resolves it (a restarted prefill
+  has a new kvxfer engine: the receiver re-peers when its cached peer is gone).
 
-Limits (clear errors, not silent fallbacks): equal TP sizes on both roles, no pipeline/context
-parallel, no hybrid state buffers (mamba/SWA/DSA), host KV memory unless GPU support is available.
+Refused at startup, naming the setting: DP attention or ``--dp-size`` above 1, context or pipeline
+parallelism, decode-side context parallelism, hybrid state buffers, the decode radix cache
+(``decode_prefix_len``), allocation policies other than ``early``. Unequal TP is refused at the
+first request to that prefill, naming both sizes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
-from sglang.srt.disaggregation.base.conn import (
-    BaseKVManager,
-    BaseKVReceiver,
-    BaseKVSender,
-    KVArgs,
-    KVPoll,
-    KVTransferMetric,
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
 )
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, KVTransferError
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
-from ...errors import KvxferError
+from ...errors import AdmissionRejected, KvxferError, PeerError
 from ...layout import KVLayout
 from ...lifecycle import ReceiverState, SenderState
+from . import ADMISSION_REFUSED
 
 log = logging.getLogger("kvxfer.sglang")
+
+
+def reason_of(exc: KvxferError) -> str:
+    """A failure reason for SGLang; admission refusals carry the mark that makes them HTTP 400."""
+    prefix = f"{ADMISSION_REFUSED} " if isinstance(exc, AdmissionRejected) else ""
+    return f"{prefix}{exc.code}: {exc}"
 
 R, S = ReceiverState, SenderState
 
@@ -72,12 +84,13 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-def _engine_config(server_args: Any, pool_tokens: int) -> EngineConfig:
+def _engine_config(server_args: Any, pool_tokens: int, rank: int) -> EngineConfig:
     """kvxfer settings for a scheduler rank, from SGLang's arguments and KVXFER_* variables."""
     context = getattr(server_args, "context_length", None) or pool_tokens
     deferred_timeout = _env_float("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30.0)
     waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
     gid = os.environ.get("KVXFER_GID_INDEX")
+    metrics = os.environ.get("KVXFER_METRICS_PORT")
     return EngineConfig(
         max_context=int(context),
         transport=os.environ.get("KVXFER_TRANSPORT", "tcp"),
@@ -92,145 +105,161 @@ def _engine_config(server_args: Any, pool_tokens: int) -> EngineConfig:
         ib_device=os.environ.get("KVXFER_IB_DEVICE") or getattr(server_args, "disaggregation_ib_device", None),
         gid_index=int(gid) if gid else None,
         keyring=os.environ.get("KVXFER_KEYRING") or None,  # a `kvxfer keygen` directory: CURVE-authenticated
+        metrics_port=int(metrics) + rank if metrics else None,  # rank r serves on KVXFER_METRICS_PORT + r
     )
 
 
-def _http_json(url: str, *, method: str = "GET", payload: dict[str, Any] | None = None,
-               timeout: float = 5.0) -> tuple[int, Any]:
-    data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-            return response.status, (json.loads(body) if body and body[:1] in b"[{" else body.decode())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
+def unsupported_settings(args: KVArgs, server_args: Any, mode: DisaggregationMode) -> list[str]:
+    """What this rank's SGLang configuration asks of kvxfer that it does not do (empty: nothing)."""
+    problems = []
+    checks = [
+        ("dp_size", 1, "--dp-size"), ("attn_cp_size", 1, "--attn-cp-size"), ("pp_size", 1, "--pp-size"),
+        ("dcp_size", 1, "--dcp-size"),
+    ]
+    for attr, allowed, flag in checks:
+        value = int(getattr(server_args, attr, allowed) or allowed)
+        if value != allowed:
+            problems.append(f"{flag} {value} (kvxfer supports {allowed})")
+    if getattr(server_args, "enable_dp_attention", False):
+        problems.append("--enable-dp-attention (kvxfer supports one data-parallel rank)")
+    if any(getattr(args, "state_data_ptrs", None) or []):
+        problems.append("hybrid state buffers (mamba/SWA/DSA): kvxfer transfers KV pages only")
+    policy = getattr(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
+    if policy != "early":
+        problems.append(f"--disaggregation-decode-allocation-policy {policy} (kvxfer supports early)")
+    if mode == DisaggregationMode.DECODE and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        problems.append("--disaggregation-decode-enable-radix-cache (decode_prefix_len > 0): kvxfer transfers "
+                        "whole prompts")
+    return problems
 
 
-class _Status:
-    """KVPoll that only moves forward; Failed is sticky."""
-
-    def __init__(self, initial: int) -> None:
-        self.value = initial
-
-    def advance(self, value: int) -> int:
-        if self.value == KVPoll.Failed:
-            return self.value
-        if value == KVPoll.Failed or value > self.value:
-            self.value = value
-        return self.value
-
-
-class KvxferKVManager(BaseKVManager):
-    """One scheduler rank's kvxfer engine, and the bootstrap bookkeeping around it."""
+class KvxferKVManager(CommonKVManager):
+    """One scheduler rank's kvxfer engine inside SGLang's common transfer bookkeeping."""
 
     supports_deferred_decode_kv_release = True
-    enable_deferred_decode_kv_release = True
     supports_role_switch = False
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
-        self.kv_args = args
-        self.disaggregation_mode = disaggregation_mode
-        self.server_args = server_args
-        self.is_mla_backend = bool(is_mla_backend)
-        if any(getattr(args, "state_data_ptrs", None) or []):
-            raise RuntimeError("kvxfer does not transfer hybrid state buffers (mamba/SWA/DSA) yet")
-        if int(getattr(server_args, "pp_size", 1) or 1) != 1:
-            raise RuntimeError("kvxfer's SGLang backend does not support pipeline parallelism yet")
+        problems = unsupported_settings(args, server_args, disaggregation_mode)
+        if problems:
+            raise RuntimeError("kvxfer transfer backend cannot serve this configuration: " + "; ".join(problems))
         self.layout = KVLayout.from_pointers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
                                              page_size=int(args.page_size))
         self.aux = [(int(p), int(n)) for p, n in zip(args.aux_data_ptrs or [], args.aux_item_lens or [])]
         self.aux_bytes = sum(n for _, n in self.aux)
-        self.config = _engine_config(server_args, self.layout.pool_tokens)
-        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-        self.tp_rank = int(getattr(args, "engine_rank", 0) or 0) % self.tp_size
-        self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))
-        self._peers: dict[tuple[str, int], str] = {}
-        # Decode: verified requests whose pages SGLang's model now reads (on the device), by
-        # generation -> room. kvxfer keeps them READABLE, its read custody, until SGLang hands
-        # those pages (or the room) to a new transfer, which shows SGLang freed the request.
-        self._custody: dict[int, int] = {}
-        self.engine: Any
+        rank = int(getattr(args, "engine_rank", 0) or 0)
+        self.config = _engine_config(server_args, self.layout.pool_tokens, rank)
         faults = None
         if os.environ.get("KVXFER_TEST_FAULTS") == "1":  # test-only; off unless explicitly set
             from ...transport.faults import FaultInjector
 
             faults = FaultInjector()
+        self.engine: Any
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.engine = PrefillEngine(self.layout, self.config, faults=faults)
-            self.register_to_bootstrap()
         elif disaggregation_mode == DisaggregationMode.DECODE:
             self.engine = DecodeEngine(self.layout, self.config)
         else:
             raise ValueError(f"kvxfer manager for mode {disaggregation_mode!r}")
+        # decode: prefill rank (ip, port) -> kvxfer engine id; rooms aborted -> generation armed;
+        # generation -> room held for SGLang (read custody); bootstrap address -> why unsupported
+        self._peers: dict[tuple[str, int], str] = {}
+        self._deferred: dict[int, int] = {}
+        self._custody: dict[int, int] = {}
+        self.unsupported_prefill: dict[str, str] = {}
+        try:
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+            # Common binds a PULL socket for its own messages; kvxfer's control plane replaces it.
+            self.server_socket.close(linger=0)
+            if disaggregation_mode == DisaggregationMode.DECODE:
+                self._heartbeat_thread = self._start_heartbeat_checker_thread()
+        except BaseException:
+            self.engine.close()
+            raise
 
-    # prefill: advertise; decode: discover ------------------------------------------------------
+    # prefill: advertise the kvxfer control address through Common's registration ------------------
     def register_to_bootstrap(self) -> None:
-        """PUT this rank's kvxfer control address into SGLang's bootstrap registry."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.server_args.host, self.server_args.host)
-        address = self.engine.address.removeprefix("tcp://")
-        rank_ip, _, rank_port = address.rpartition(":")
-        payload = {
-            "attn_tp_size": self.tp_size, "attn_tp_rank": self.tp_rank,
-            "attn_cp_size": 1, "attn_cp_rank": 0,
-            "attn_dp_size": 1, "attn_dp_rank": 0,
-            "pp_size": 1, "pp_rank": 0,
-            "system_dp_size": 1, "system_dp_rank": 0,
-            "rank_ip": rank_ip, "rank_port": int(rank_port),
-            "page_size": int(self.kv_args.page_size),
-            "kv_cache_dtype": getattr(self.kv_args, "kv_cache_dtype_str", None) or "auto",
-            "load_balance_method": "follow_bootstrap_room",
-        }
-        url = f"http://{host}:{self.bootstrap_port}/route"
-        delay = 0.2
-        for attempt in range(8):
-            try:
-                status, body = _http_json(url, method="PUT", payload=payload)
-                if status == 200:
-                    return
-                log.warning("bootstrap registration answered %s: %s", status, body)
-            except OSError as exc:
-                log.warning("bootstrap server at %s not reachable (attempt %d): %s", url, attempt + 1, exc)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        raise RuntimeError(f"could not register with the bootstrap server at {url}")
+        host, _, port = self.engine.address.removeprefix("tcp://").split("#", 1)[0].rpartition(":")
+        self.local_ip, self.rank_port = host, int(port)
+        super().register_to_bootstrap()
 
-    def peer_for(self, bootstrap_addr: str, prefill_dp_rank: int) -> str:
-        """Connect (once) to the prefill rank paired with this decode rank; its kvxfer engine id."""
-        key = (bootstrap_addr, int(prefill_dp_rank))
-        peer = self._peers.get(key)
-        if peer is not None and self.engine.receiver.peers.get(peer) is not None:
+    # decode: prefill discovery, peering and failures ---------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Common's lookup, with kvxfer's limits: a prefill kvxfer cannot serve is remembered with
+        the reason, and its requests fail with that reason at ``init`` (the scheduler lives on)."""
+        if bootstrap_addr in self.unsupported_prefill:
+            return True
+        try:
+            if not super().try_ensure_parallel_info(bootstrap_addr):
+                return False
+        except RuntimeError as exc:  # Common's mismatch checks (page size, dtype, layout)
+            self.unsupported_prefill[bootstrap_addr] = str(exc)
+            log.error("prefill %s: %s", bootstrap_addr, exc)
+            return True
+        info = self.prefill_info_table[bootstrap_addr]
+        problems = []
+        if info.attn_tp_size != self.attn_tp_size:
+            problems.append(f"prefill attention TP {info.attn_tp_size} != decode {self.attn_tp_size} "
+                            "(kvxfer needs equal TP sizes)")
+        for name in ("dp_size", "attn_cp_size", "pp_size"):
+            value = int(getattr(info, name, 1) or 1)
+            if value != 1:
+                problems.append(f"prefill {name} {value} (kvxfer supports 1)")
+        if problems:
+            self.unsupported_prefill[bootstrap_addr] = "; ".join(problems)
+            log.error("prefill %s: %s", bootstrap_addr, "; ".join(problems))
+        return True
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
+        """PD retraction rebootstrap (the prefill recomputes a retracted request): not supported."""
+        kv_receiver.fail("kvxfer does not support PD retraction rebootstrap; run decode with "
+                         "--disaggregation-decode-retraction-backup none or without retraction")
+
+    def connect_rank(self, info: dict[str, Any]) -> str | None:
+        """The live kvxfer peer of a prefill rank (``rank_ip``/``rank_port`` from the registry),
+        peering with it first if needed; None (and the reason logged) when it cannot be reached."""
+        key = (str(info["rank_ip"]), int(info["rank_port"]))
+        peer = self.live_peer(info)
+        if peer is not None:
             return peer
-        status, info = _http_json(f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-                                  "&target_tp_rank=-1&target_pp_rank=-1")
-        if status != 200 or not isinstance(info, dict):
-            raise KvxferError(f"bootstrap server {bootstrap_addr} has no prefill registered yet ({status})")
-        if int(info.get("attn_tp_size", 1)) != self.tp_size:
-            raise KvxferError(f"prefill TP size {info.get('attn_tp_size')} != decode TP size {self.tp_size}: "
-                              "kvxfer needs equal TP sizes")
-        if int(info.get("page_size") or self.kv_args.page_size) != int(self.kv_args.page_size):
-            raise KvxferError(f"prefill page size {info.get('page_size')} != decode {self.kv_args.page_size}")
-        status, rank = _http_json(f"http://{bootstrap_addr}/route?prefill_dp_rank={int(prefill_dp_rank)}"
-                                  f"&prefill_cp_rank=0&target_tp_rank={self.tp_rank}&target_pp_rank=0")
-        if status != 200 or not isinstance(rank, dict):
-            raise KvxferError(f"bootstrap server {bootstrap_addr}: no prefill rank {self.tp_rank} ({status})")
-        peer = self.engine.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
+        try:
+            peer = self.engine.connect(f"tcp://{key[0]}:{key[1]}", timeout=10.0)
+        except KvxferError as exc:
+            log.warning("prefill rank %s:%s: %s", *key, exc)
+            return None
         self._peers[key] = peer
         return peer
 
-    # deferred decode KV release ---------------------------------------------------------------
+    def live_peer(self, info: dict[str, Any]) -> str | None:
+        peer = self._peers.get((str(info["rank_ip"]), int(info["rank_port"])))
+        state = self.engine.receiver.peers.get(peer) if peer is not None else None
+        return peer if state is not None and state.ready and state.conn is not None else None
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """Common's handling (rooms failed, caches dropped), and the address re-resolved next time."""
+        self.unsupported_prefill.pop(failed_bootstrap_addr, None)
+        super()._handle_node_failure(failed_bootstrap_addr)
+
+    # deferred decode KV release --------------------------------------------------------------------
+    def arm_deferred_release(self, bootstrap_room: int, generation: int) -> None:
+        self._deferred[bootstrap_room] = generation
+
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
-        """True once kvxfer holds a drain proof for the room's pages or fenced their connection."""
-        try:
-            req = self.engine.status(bootstrap_room)
-        except KvxferError:
-            return True  # kvxfer holds nothing for this room
-        return req.fsm.terminal
+        """True once kvxfer holds a drain proof for the aborted generation's pages or fenced their
+        connection (``required_acks`` is Common's ack count; kvxfer's proof is per generation)."""
+        generation = self._deferred.get(bootstrap_room)
+        with self.engine.lock:
+            req = self.engine.receiver.by_gen.get(generation) if generation is not None else None
+            if req is None:
+                try:
+                    req = self.engine.status(bootstrap_room)
+                except KvxferError:
+                    return True  # kvxfer holds nothing for this room
+            return req.fsm.terminal
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        return None
+        self._deferred.pop(bootstrap_room, None)
 
     # read custody (decode) ----------------------------------------------------------------------
     def keep_custody(self, bootstrap_room: int, generation: int) -> None:
@@ -264,146 +293,180 @@ class KvxferKVManager(BaseKVManager):
             ctypes.memmove(ptr + index * n, data[offset : offset + n], n)
             offset += n
 
-    def teardown(self) -> None:
-        self.engine.close()
-
     def close(self) -> None:
+        """Stop the heartbeat checker, the engine and Common's sockets (idempotent)."""
+        shutdown = getattr(self, "_heartbeat_shutdown", None)
+        if shutdown is not None:
+            shutdown.set()
         self.engine.close()
+        if not self._zmq_ctx.closed:
+            self._zmq_ctx.term()
+
+    teardown = close
 
 
-class KvxferKVSender(BaseKVSender):
+class KvxferKVSender(CommonKVSender):
     """The prefill side of one request (kvxfer request id = bootstrap_room)."""
 
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        self.kv_mgr = mgr
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.engine: PrefillEngine = mgr.engine
-        self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = int(bootstrap_room)
-        self.status = _Status(KVPoll.Bootstrapping)
-        self.num_kv_indices = 0
-        self.aux_index: int | None = None
-        self.sent_pages = 0
-        self.failure: str | None = None
-        self.started = time.monotonic()
-        self.finished: float | None = None
         self.admitted = False
+        self.sent_pages = 0
+        self.num_kv_indices = 0
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """The page count is known: kvxfer admission (rejects what can never fit)."""
-        self.num_kv_indices = int(num_kv_indices)
-        self.aux_index = aux_index
+        super().init(num_kv_indices, aux_index)
         try:
-            self.engine.admit(self.bootstrap_room, self.num_kv_indices * self.kv_mgr.layout.page_size,
+            self.engine.admit(self.bootstrap_room, int(num_kv_indices) * self.kv_mgr.layout.page_size,
                               external_pages=True)
             self.admitted = True
         except KvxferError as exc:
-            self._fail(f"{exc.code}: {exc}")
+            self.fail(reason_of(exc))
 
-    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
-        if self.status.value == KVPoll.Failed or not self.admitted:
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None,
+             indices_event: Any = None, **_: Any) -> None:
+        if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or not self.admitted:
             return
-        if state_indices:
-            self._fail("kvxfer does not transfer state buffers")
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
+        if state_indices and any(s is not None for s in state_indices):
             self.engine.abort(self.bootstrap_room, "state buffers unsupported")
+            self.fail("kvxfer does not transfer state buffers")
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            return  # SGLang's final call with no new pages: DONE went with the chunk that reached the count
         last = self.sent_pages + len(pages) >= self.num_kv_indices
         aux = self.kv_mgr.read_aux(self.aux_index) if (last and self.aux_index is not None) else b""
+        if self._transfer_start_time is None:
+            self._transfer_start_time = time.perf_counter()
         try:
-            self.engine.send(self.bootstrap_room, pages, aux=aux)
-            self.sent_pages += len(pages)
+            self.engine.send(self.bootstrap_room, pages, aux=aux, ready=_Both.of(wait_event, indices_event))
         except KvxferError as exc:
-            self._fail(f"{exc.code}: {exc}")
+            self.fail(f"{exc.code}: {exc}")
+            return
+        self.sent_pages += len(pages)
+        self._record_transfer_indices(pages, None)
 
     def poll(self) -> int:
-        if self.status.value == KVPoll.Failed:
-            return KVPoll.Failed
+        self._sync()
+        return super().poll()
+
+    def _sync(self) -> None:
+        """Fold the kvxfer request's state into Common's status table."""
+        if self.conclude_state is not None:
+            return
+        room, mgr, sender = self.bootstrap_room, self.kv_mgr, self.engine.sender
         if not self.admitted:
-            rejection = self.engine.sender.peer_rejections.get(self.bootstrap_room)
+            with self.engine.lock:
+                rejection = sender.peer_rejections.get(room)
+                pending = room in sender.pending_meta
             if rejection is not None:
-                self._fail(f"rejected: decode rejected it: {rejection[0].detail}")
-                return KVPoll.Failed
-            if self.bootstrap_room in self.engine.sender.pending_meta:
-                return self.status.advance(KVPoll.WaitingForInput)
-            return self.status.value
-        req = self.engine.status(self.bootstrap_room)
-        state = req.state
-        if self.engine.sender.settled(req):  # terminal and nothing in flight: sources reusable
-            if state is S.SUCCEEDED:
-                self.finished = self.finished or time.monotonic()
-                return self.status.advance(KVPoll.Success)
-            self._fail(f"{req.error.code}: {req.error}" if req.error is not None else state.value)
-            return KVPoll.Failed
-        if state in (S.ADMITTED, S.READY):
-            return self.status.advance(KVPoll.WaitingForInput)
-        return self.status.advance(KVPoll.Transferring)
+                self.fail(f"{ADMISSION_REFUSED} rejected: decode rejected it: {rejection[0].detail}")
+            elif pending:
+                mgr.update_status(room, KVPoll.WaitingForInput)
+            return
+        req = self.engine.status(room)
+        if sender.settled(req):  # terminal and nothing in flight: SGLang may reuse the source pages
+            if req.state is S.SUCCEEDED:
+                mgr.update_status(room, KVPoll.Success)
+            else:
+                self.fail(reason_of(req.error) if req.error is not None else req.state.value)
+        elif req.state in (S.ADMITTED, S.READY):
+            mgr.update_status(room, KVPoll.WaitingForInput)
+        else:
+            mgr.update_status(room, KVPoll.Transferring)
 
-    def _fail(self, reason: str) -> None:
-        self.failure = self.failure or reason
-        self.status.advance(KVPoll.Failed)
+    def _check_bootstrap_timeout(self) -> Any:
+        """Common's bootstrap timeout, and then kvxfer refuses the room so a late destination is
+        answered with REJECT at once."""
+        status = super()._check_bootstrap_timeout()
+        if status == KVPoll.Failed and not self.admitted:
+            self.engine.refuse(self.bootstrap_room, "bootstrap_timeout", "the prefill's bootstrap timed out")
+        return status
 
-    def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, self.failure or "kvxfer transfer failed")
-
-    def get_transfer_metric(self) -> KVTransferMetric:
-        try:
-            req = self.engine.status(self.bootstrap_room)
-        except KvxferError:
-            return KVTransferMetric()
-        latency = (self.finished - self.started) if self.finished else None
-        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=req.bytes_posted)
+    def fail(self, reason: str) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
 
     def abort(self) -> None:
-        if self.admitted:
-            try:
+        try:
+            if self.admitted:
                 self.engine.abort(self.bootstrap_room, "aborted by SGLang")
-            except KvxferError:
-                pass
-        self._fail("aborted")
+            else:
+                self.engine.refuse(self.bootstrap_room, "aborted", "SGLang aborted the request before admission")
+        except KvxferError as exc:
+            log.debug("abort of room %s: %s", self.bootstrap_room, exc)
+        super().abort()
 
-    def clear(self) -> None:
-        return None
 
-
-class KvxferKVReceiver(BaseKVReceiver):
+class KvxferKVReceiver(CommonKVReceiver):
     """The decode side of one request (kvxfer request id = bootstrap_room)."""
 
     require_staging = False
 
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
-        self.kv_mgr = mgr
+        super().__init__(mgr, bootstrap_addr, int(bootstrap_room or 0))
         self.engine: DecodeEngine = mgr.engine
-        self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = int(bootstrap_room or 0)
-        self.status = _Status(KVPoll.Bootstrapping)
-        self.conclude_state: int | None = None
         self.peer: str | None = None
-        self.bootstrap_infos: list[dict[str, Any]] = []
         self.aux_index: int | None = None
         self.generation: int | None = None
-        self.abort_notified = False
-        self.failure: str | None = None
-        self.released = False
+        self.handed_over = False
 
     def init(self, prefill_dp_rank: int) -> None:
-        try:
-            self.peer = self.kv_mgr.peer_for(self.bootstrap_addr, prefill_dp_rank)
-            self.bootstrap_infos = [{"peer": self.peer, "prefill_dp_rank": prefill_dp_rank}]
-            self.status.advance(KVPoll.WaitingForInput)
-        except KvxferError as exc:
-            self._fail(f"{exc.code}: {exc}")
+        """Common's lookup of the prefill rank (registry, connection pool), then its kvxfer peer; a
+        cached rank whose kvxfer engine is gone (a restarted prefill) is looked up again once."""
+        reason = self.kv_mgr.unsupported_prefill.get(self.bootstrap_addr)
+        if reason is not None:
+            self.fail(f"prefill at {self.bootstrap_addr} is not supported: {reason}")
+            return
+        super().init(prefill_dp_rank)
+        if self.conclude_state is not None or self.bootstrap_infos is None:
+            return
+        self.peer = self._peer()
+        if self.peer is None:
+            self.invalidate_cached_bootstrap_infos()
+            self._setup_bootstrap_infos()
+            if self.conclude_state is None and self.bootstrap_infos is not None:
+                self.peer = self._peer()
+        if self.peer is None and self.conclude_state is None:
+            self.fail(f"cannot reach the prefill's kvxfer engine at {self._target()}")
+
+    def _target(self) -> dict[str, Any]:
+        real = [info for info in self.bootstrap_infos or [] if not info.get("is_dummy")]
+        if len(real) != 1:
+            raise KvxferError(f"expected one prefill rank to pull from, the registry gives {len(real)}")
+        return real[0]
+
+    def _peer(self) -> str | None:
+        return self.kv_mgr.live_peer(self._target())
+
+    def _register_kv_args(self) -> bool:
+        """Common registers this rank with the prefill ranks it pulls from: for kvxfer that is peering
+        (HELLO, then the data connection)."""
+        if not self.bootstrap_infos:
+            return self.bootstrap_infos is not None
+        if self.kv_mgr.connect_rank(self._target()) is None:
+            self.fail(f"cannot peer with the prefill's kvxfer engine at {self._target()}")
+            return False
+        return True
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
-                      decode_prefix_len: int | None = None, destination: Any = None) -> None:
+                      decode_prefix_len: int | None = None, destination: Any = None, **_: Any) -> None:
         """The destination pages are known: kvxfer admission, reservation, META to the prefill."""
-        if self.status.value == KVPoll.Failed:
+        if self.conclude_state == KVPoll.Failed or self.peer is None:
             return
         if state_indices and any(s is not None for s in state_indices):
-            self._fail("kvxfer does not transfer state buffers")
+            self.fail("kvxfer does not transfer state buffers")
             return
         if destination is not None and str(getattr(destination, "value", destination)) != "device":
-            self._fail("kvxfer transfers into the KV pool only (no host destinations)")
+            self.fail("kvxfer transfers into the KV pool only (no host destinations)")
+            return
+        if decode_prefix_len:
+            self.fail(f"decode_prefix_len {decode_prefix_len}: kvxfer transfers whole prompts "
+                      "(run decode without --disaggregation-decode-enable-radix-cache)")
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         self.aux_index = aux_index
@@ -411,69 +474,82 @@ class KvxferKVReceiver(BaseKVReceiver):
         try:
             req = self.engine.admit(self.bootstrap_room, len(pages) * self.kv_mgr.layout.page_size,
                                     peer=self.peer, pages=pages)
-            self.generation = req.gen
-            self.status.advance(KVPoll.Transferring)
+        except PeerError as exc:  # the prefill went away since init: look it up again next time
+            self.invalidate_cached_bootstrap_infos()
+            self.fail(f"{exc.code}: {exc}")
+            return
         except KvxferError as exc:
-            self._fail(f"{exc.code}: {exc}")
+            self.fail(reason_of(exc))
+            return
+        self.generation = req.gen
+        self.init_time = time.time()  # Common's waiting timeout runs from here
 
     def poll(self) -> int:
-        if self.status.value in (KVPoll.Failed, KVPoll.Success) or self.generation is None:
-            return self.status.value
+        self._sync()
+        return super().poll()
+
+    def _sync(self) -> None:
+        """Fold the kvxfer request's state into Common's status table (READABLE: write the metadata
+        row, keep custody, Success)."""
+        if self.conclude_state is not None or self.generation is None:
+            return
         try:
             req = self.engine.status(self.bootstrap_room)
         except KvxferError as exc:
-            self._fail(str(exc))
-            return KVPoll.Failed
+            self.fail(str(exc))
+            return
         if req.gen != self.generation:
-            self._fail(f"room {self.bootstrap_room} was reused (generation {req.gen}, expected {self.generation})")
-            return KVPoll.Failed
+            self.fail(f"room {self.bootstrap_room} was reused (generation {req.gen}, expected {self.generation})")
+            return
         if req.state is R.READABLE:
             try:
                 if self.aux_index is not None and req.aux:
                     self.kv_mgr.write_aux(self.aux_index, req.aux)
             except KvxferError as exc:
                 self.engine.abort(self.bootstrap_room, str(exc))
-                self._fail(str(exc))
-                return KVPoll.Failed
-            self._hand_over(req.gen)
-            self.conclude_state = KVPoll.Success
-            return self.status.advance(KVPoll.Success)
-        if req.fsm.terminal or req.state is R.QUARANTINED:
-            self._fail(f"{req.error.code}: {req.error}" if req.error is not None else req.state.value)
-            return KVPoll.Failed
-        return self.status.value
+                self.fail(str(exc))
+                return
+            if not self.handed_over:
+                self.handed_over = True
+                self.kv_mgr.keep_custody(self.bootstrap_room, req.gen)
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+        elif req.fsm.terminal or req.state is R.QUARANTINED:
+            self.fail(reason_of(req.error) if req.error is not None else req.state.value)
 
-    def _hand_over(self, generation: int) -> None:
-        """The verified pages now belong to SGLang's request, whose model reads them on the device.
-        kvxfer keeps them READABLE (its custody) until SGLang reuses the pages or the room."""
-        if not self.released:
-            self.released = True
-            self.kv_mgr.keep_custody(self.bootstrap_room, generation)
-
-    def _fail(self, reason: str) -> None:
-        self.failure = self.failure or reason
+    def fail(self, reason: str) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
         self.conclude_state = KVPoll.Failed
-        self.status.advance(KVPoll.Failed)
 
-    def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, self.failure or "kvxfer transfer failed")
-
-    def abort(self) -> None:
-        self.ensure_abort_notified()
-        self._fail("aborted")
-
-    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """Quarantine the room's pages and ask the writer to drain (kvxfer's abort)."""
-        if self.abort_notified or self.generation is None:
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        """Common calls this on abort and on the waiting timeout: kvxfer quarantines the room's pages
+        and asks the writer to drain (deferred release waits for the proof or a fence)."""
+        if self.generation is None:
             return
-        self.abort_notified = True
+        self.kv_mgr.arm_deferred_release(self.bootstrap_room, self.generation)
         try:
-            self.engine.abort(self.bootstrap_room, "aborted by SGLang")
-        except KvxferError:
-            pass
+            self.engine.abort(self.bootstrap_room, "aborted by SGLang", generation=self.generation)
+        except KvxferError as exc:
+            log.debug("abort of room %s: %s", self.bootstrap_room, exc)
 
-    def clear(self) -> None:
-        return None
+    def is_abort_release_safe(self) -> bool:
+        return self.kv_mgr.is_abort_release_safe(self.bootstrap_room)
+
+
+class _Both:
+    """Wait on two optional events (SGLang's early-send event and its indices event)."""
+
+    def __init__(self, *events: Any) -> None:
+        self.events = [e for e in events if e is not None]
+
+    @classmethod
+    def of(cls, *events: Any) -> Any:
+        present = [e for e in events if e is not None]
+        return None if not present else present[0] if len(present) == 1 else cls(*present)
+
+    def wait(self) -> None:
+        for event in self.events:
+            (getattr(event, "synchronize", None) or event.wait)()
 
 
 class KvxferKVBootstrapServer(CommonKVBootstrapServer):

@@ -1,0 +1,176 @@
+"""What the SGLang tests need that the registry cannot give: a tiny random-weight Llama built locally
+(no hub access), a plain-torch stand-in for the one vLLM op SGLang's CPU path imports, and the
+runtime-context publication SGLang's scheduler process entry does before it builds a KV manager."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent  # put on the servers' PYTHONPATH: provides ``vllm._custom_ops``
+
+WORDS = ("the quick brown fox jumps over a lazy dog kv cache transfer prefill decode server "
+         "router engine page token layer attention tensor model request stream batch").split()
+
+
+def make_tiny_llama(out: Path) -> Path:
+    """A 2-layer Llama with hidden size 64 and random weights, and a byte-level BPE tokenizer trained
+    on a small word list; ``save_pretrained`` layout, float32. Idempotent (about 5 s)."""
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    corpus = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) for i in range(400)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=2048)
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=bos, eos_token_id=eos,
+                         tie_word_embeddings=False, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def publish_rank(server_args: Any) -> None:
+    """Publish ``server_args`` as SGLang's scheduler process entry does before it builds a KV manager
+    (rank 0 of a one-process topology, no process groups), so Common* classes can read it."""
+    from sglang.srt import runtime_context as rc
+
+    rc.publish(server_args, role="test", ranks=rc.SpawnRanks(world_rank=0))
+    rc.get_parallel().override_permanently(pp_group=None)
+
+
+# real servers ------------------------------------------------------------------------------------------
+
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+             "--disable-overlap-schedule", "--dtype", "float32", "--host", "127.0.0.1", "--log-level", "warning"]
+
+
+def request_json(method: str, url: str, payload: dict[str, Any] | None = None, *, timeout: float = 60.0) -> tuple[int, Any]:
+    """(status, decoded JSON or text) of one request; connection errors raise OSError."""
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    text = body.decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+class Server:
+    """One server process (and everything it spawns) in its own process group, with its log file."""
+
+    def __init__(self, name: str, args: list[str], *, env: dict[str, str], log_dir: Path) -> None:
+        self.name, self.args, self.env = name, args, env
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.process = subprocess.Popen([sys.executable, *self.args], env=self.env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, url: str, *, timeout: float = 300.0, check: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                status, body = request_json("GET", url, timeout=5)
+                if status == 200 and (check is None or check(body)):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready at {url} after {timeout:g} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the server and the processes it spawned)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the group, SIGKILL it after ``grace`` seconds; wait until no member is left."""
+        if self.process is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill(signal.SIGKILL)
+        self.process.wait()
+        deadline = time.monotonic() + 10
+        while group_members(self.process.pid) and time.monotonic() < deadline:
+            self.kill(signal.SIGKILL)
+            time.sleep(0.1)
+
+    def members(self) -> list[int]:
+        return group_members(self.process.pid) if self.process is not None else []
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found

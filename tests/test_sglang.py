@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 os.environ.setdefault("KVXFER_TEST_FAULTS", "1")  # lets tests reach the prefill engine's fault injector
 os.environ.setdefault("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "4")
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # the soft-RoCE VM has no address SGLang can detect
 
 from kvxfer.integrations.sglang import register  # noqa: E402
 

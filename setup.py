@@ -2,7 +2,7 @@
 
 Both extensions are optional: if one cannot be compiled (no C compiler, no libibverbs headers, an
 unusual platform) the install still succeeds and kvxfer uses its pure-Python fallback, which
-`kvxfer.native.describe()` reports.
+`kvxfer.core.native.describe()` reports.
 
 * kvxfer._native (native/kvxfer_native.c): the tcp transport's readv/sendmsg loops.
 * kvxfer._verbs (native/kvxfer_verbs.c): chained RDMA WRITE posting and CQ polling for the verbs

@@ -5,7 +5,12 @@ it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConf
 Errors live in :mod:`kvxfer.errors`. Heavy and GPU-only dependencies are imported lazily.
 """
 
+from .core.layout import KVLayout
+from .core.ledger import AllocPolicy, PageState
+from .core.lifecycle import ReceiverState, SenderState
+from .core.pool import FreePolicy
 from .engine import DecodeEngine, EngineConfig, PrefillEngine
+from .engine.reads import KVRead
 from .errors import (
     AdmissionRejected,
     CapacityError,
@@ -17,11 +22,6 @@ from .errors import (
     VerificationFailed,
     WriteRefused,
 )
-from .layout import KVLayout
-from .ledger import AllocPolicy, PageState
-from .lifecycle import ReceiverState, SenderState
-from .pool import FreePolicy
-from .reads import KVRead
 
 __version__ = "0.1.0"
 

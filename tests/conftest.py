@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from kvxfer import DecodeEngine, EngineConfig, KVLayout, PrefillEngine
-from kvxfer.auth import Keyring
 from kvxfer.transport import faults as faults_mod
 from kvxfer.transport.faults import FaultInjector
+from kvxfer.wire.auth import Keyring
 
 faults_mod.enable()
 logging.getLogger("kvxfer").setLevel(logging.INFO)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer.audit.capacity import (
+from kvxfer.tools.audit.capacity import (
     MAX_LINE_BYTES,
     Band,
     CapacityLine,
@@ -106,7 +106,7 @@ def test_incident_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_entry_point_reads_stdin() -> None:
     text = "prefill: " + LINE.format(pool="681,280", context="1,048,576") + "\n"
-    done = subprocess.run([sys.executable, "-m", "kvxfer.audit.capacity", "-"], input=text.encode(),
+    done = subprocess.run([sys.executable, "-m", "kvxfer.tools.audit.capacity", "-"], input=text.encode(),
                           capture_output=True, timeout=60, cwd=Path(__file__).parent.parent)
     out = done.stdout.decode()
     assert done.returncode == 1, done.stderr.decode()

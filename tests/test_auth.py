@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from kvxfer import DecodeEngine, EngineConfig, PrefillEngine
-from kvxfer.auth import Keyring, split_address, write_cluster, z85_to_hex
 from kvxfer.errors import ConfigError, PeerError
+from kvxfer.wire.auth import Keyring, split_address, write_cluster, z85_to_hex
 
 from .conftest import PAGE_TOKENS, make_layout
 

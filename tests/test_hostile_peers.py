@@ -17,11 +17,11 @@ import pytest
 import zmq
 
 from kvxfer import DecodeEngine, EngineConfig, ReceiverState, SenderState
-from kvxfer.auth import Keyring, split_address, z85_to_hex
-from kvxfer.checksum import checksum_pages
+from kvxfer.core.checksum import checksum_pages
 from kvxfer.errors import NotReadable, PeerError
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
+from kvxfer.wire.auth import Keyring, split_address, z85_to_hex
 
 from .conftest import PAGE_TOKENS, fill_random, make_layout, wait_for
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvxfer import DecodeEngine, EngineConfig, KVLayout, PrefillEngine, ReceiverState
-from kvxfer.runs import WriteBatch, cut_frames
+from kvxfer.core.runs import WriteBatch, cut_frames
 from kvxfer.transport import tcp
 from kvxfer.wire import frames as f
 

@@ -8,13 +8,13 @@ import warnings
 import numpy as np
 import pytest
 
-from kvxfer.checksum import ChecksumAlgo, checksum_pages, page_runs
+from kvxfer.core.checksum import ChecksumAlgo, checksum_pages, page_runs
+from kvxfer.core.layout import KVLayout
+from kvxfer.core.ledger import AllocPolicy, PageLedger, PageState
+from kvxfer.core.memory import HostRegion, as_region
+from kvxfer.core.pool import POISON_PATTERN, FreePolicy, PagePool, check_capacity, poison_offsets
+from kvxfer.core.runs import build_batch, coalesce
 from kvxfer.errors import CapacityError, ConfigError, LedgerInvariantError, PageStateError, PoolExhausted
-from kvxfer.layout import KVLayout
-from kvxfer.ledger import AllocPolicy, PageLedger, PageState
-from kvxfer.memory import HostRegion, as_region
-from kvxfer.pool import POISON_PATTERN, FreePolicy, PagePool, check_capacity, poison_offsets
-from kvxfer.runs import build_batch, coalesce
 
 from .conftest import make_layout
 
@@ -260,7 +260,7 @@ def test_layout_from_pointers_like_sglang():
 
 def test_layout_rejects_overlap_and_overflow():
     region = as_region(np.zeros(1000, np.uint8))
-    from kvxfer.layout import BufferSpec
+    from kvxfer.core.layout import BufferSpec
 
     with pytest.raises(ConfigError, match="overlap"):
         KVLayout([BufferSpec(region, 0, 100), BufferSpec(region, 50, 100)], num_pages=2, page_size=1)
@@ -314,7 +314,7 @@ def test_checksum_combination_equals_the_checksum_of_the_concatenation():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from kvxfer.checksum import combine_adler32, combine_crc32
+    from kvxfer.core.checksum import combine_adler32, combine_crc32
 
     @settings(max_examples=60, deadline=None)
     @given(st.lists(st.binary(min_size=0, max_size=6000), min_size=0, max_size=12))
@@ -330,7 +330,7 @@ def test_checksum_combination_equals_the_checksum_of_the_concatenation():
 def test_host_regions_are_really_prefaulted():
     import resource
 
-    from kvxfer.memory import allocate_host
+    from kvxfer.core.memory import allocate_host
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

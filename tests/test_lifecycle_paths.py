@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from kvxfer import AdmissionRejected, DecodeEngine, EngineConfig, PrefillEngine, ReceiverState, SenderState
+from kvxfer.core.ledger import PageState
 from kvxfer.errors import NotReadable, UnknownRequest
-from kvxfer.ledger import PageState
 from kvxfer.wire import messages as m
 
 from .conftest import PAGE_TOKENS, fill_random, make_layout, wait_for
@@ -120,7 +120,7 @@ def test_partial_transfer_never_becomes_readable(engines):
     pair.prefill.send("part", count=1)
     link = pair.link
     src = pair.prefill.source_pages("part")[:1]
-    from kvxfer.checksum import checksum_pages
+    from kvxfer.core.checksum import checksum_pages
 
     claim = m.Done(rid="part", gen=dreq.gen, bytes=pair.prefill.layout.bytes_for_pages(1), pages=1,
                    checksum=checksum_pages(pair.prefill.layout, src, "adler32"), algo="adler32")
@@ -489,8 +489,8 @@ def test_caller_chosen_pages_are_checked(engines):
 
 def test_checksums_taken_as_bytes_land_match_a_reading_pass(engines):
     """The fast path (item checksums at landing, combined) agrees with reading the pages back."""
-    from kvxfer import native
-    from kvxfer.checksum import checksum_pages
+    from kvxfer.core import native
+    from kvxfer.core.checksum import checksum_pages
 
     pair = engines()
     pair.transfer("fast", 17 * PAGE_TOKENS, seed=21)

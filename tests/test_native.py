@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvxfer import native
+from kvxfer.core import native
 
 
 def test_choice_is_reported():

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer import DecodeEngine, EngineConfig
+from kvxfer.engine.events import EventLog
 from kvxfer.errors import AdmissionRejected, ConfigError
-from kvxfer.events import EventLog
 
 from .conftest import PAGE_TOKENS, free_port_pair, make_layout, wait_for
 

@@ -111,7 +111,7 @@ class ToolRun:
     def processes(self) -> dict[int, str]:
         """The tool's live processes (itself included until it is reaped)."""
         found = marked_processes(self.marker)
-        self.seen.update(pid for pid, cmd in found.items() if "kvxfer.node" in cmd)
+        self.seen.update(pid for pid, cmd in found.items() if "kvxfer.tools.node" in cmd)
         return found
 
     def nodes_seen(self) -> int:
@@ -211,7 +211,7 @@ def test_sigkilled_demo_leaves_no_process_port_or_temp_dir(start):
     port = free_port_pair()
     run = start("demo", "--metrics-port", str(port), "--linger", "60")
     run.wait_until("the demo lingers", lambda: run.printed("lingering"))
-    nodes = run.children("kvxfer.node")
+    nodes = run.children("kvxfer.tools.node")
     assert len(nodes) == 2, run.processes()
     assert not _refuses(port) and not _refuses(port + 1), "the metrics endpoints are not up"
     assert list(run.tmp.glob("kvxfer-*")), "the demo keeps no temp dir: the check is void"
@@ -227,7 +227,7 @@ def test_sigkilled_stress_leaves_nothing_including_a_restarted_writer(start):
                 "--decode-pages", "2048", "--median-tokens", "300", "--fault", "kill_sender=0.2", "--no-progress")
     # the writer was SIGKILLed and restarted at least once: three node processes seen so far
     run.wait_until("a restarted writer", lambda: run.nodes_seen() >= 3)
-    run.wait_until("two live nodes", lambda: len(run.children("kvxfer.node")) == 2)
+    run.wait_until("two live nodes", lambda: len(run.children("kvxfer.tools.node")) == 2)
     assert list(run.tmp.glob("kvxfer-*")), "stress keeps no temp dir: the check is void"
     sockets = listening_of(list(run.processes()))
     run.proc.kill()
@@ -239,8 +239,8 @@ def _start_bench(start):
     """A long bench against the raw-socket baseline, once its two nodes and two peers run."""
     run = start("bench", "--total", "1G", "--request-bytes", "4M", "--page-bytes", "64K", "--repeat", "50",
                 "--checks", "on", "--baselines", "raw-socket")
-    run.wait_until("nodes and peers", lambda: len(run.children("kvxfer.node")) == 2
-                   and len(run.children("kvxfer.bench.peers")) == 2)
+    run.wait_until("nodes and peers", lambda: len(run.children("kvxfer.tools.node")) == 2
+                   and len(run.children("kvxfer.tools.bench.peers")) == 2)
     return run
 
 
@@ -270,7 +270,7 @@ def _signal(run: ToolRun, sig: signal.Signals, group: bool) -> int:
                          ids=["SIGTERM", "ctrl-c"])
 def test_demo_stopped_mid_run_says_one_line_and_leaves_nothing(start, sig, group):
     run = start("demo", "--linger", "30")
-    run.wait_until("both engine nodes", lambda: len(run.children("kvxfer.node")) >= 2)
+    run.wait_until("both engine nodes", lambda: len(run.children("kvxfer.tools.node")) >= 2)
     sockets = listening_of(list(run.processes()))
     before = _signal(run, sig, group)
     assert run.exit_status() == 128 + sig, run.output()
@@ -281,7 +281,7 @@ def test_demo_stopped_mid_run_says_one_line_and_leaves_nothing(start, sig, group
 def test_stress_stopped_by_ctrl_c_says_one_line_and_leaves_nothing(start):
     run = start("stress", "--requests", "20000", "--concurrency", "4", "--prefill-pages", "512",
                 "--decode-pages", "2048", "--median-tokens", "300", "--no-progress")
-    run.wait_until("two live nodes", lambda: len(run.children("kvxfer.node")) == 2)
+    run.wait_until("two live nodes", lambda: len(run.children("kvxfer.tools.node")) == 2)
     time.sleep(1.0)  # mid-run: requests in flight
     sockets = listening_of(list(run.processes()))
     before = _signal(run, signal.SIGINT, True)

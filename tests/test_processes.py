@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvxfer.errors import AdmissionRejected, CapacityError
-from kvxfer.node import NodeSpec, spawn
+from kvxfer.tools.node import NodeSpec, spawn
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from kvxfer import simulate
+from kvxfer.core.ledger import PageState
 from kvxfer.errors import ConfigError
-from kvxfer.ledger import PageState
-from kvxfer.simulate import NEVER_WRITTEN, SimulationConfig, incident, run_one, sweep
+from kvxfer.tools import simulate
+from kvxfer.tools.simulate import NEVER_WRITTEN, SimulationConfig, incident, run_one, sweep
 
 SMALL = SimulationConfig(
     pool_pages=4096, median_tokens=1000, customers=50, hold_min_steps=20, hold_max_steps=60,

@@ -7,9 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kvxfer.errors import IllegalTransition, WriteRefused
-from kvxfer.ledger import PageLedger, PageState
-from kvxfer.lifecycle import (
+from kvxfer.core.ledger import PageLedger, PageState
+from kvxfer.core.lifecycle import (
     RECEIVER_TERMINAL,
     RECEIVER_TRANSITIONS,
     SENDER_TERMINAL,
@@ -18,9 +17,10 @@ from kvxfer.lifecycle import (
     ReceiverState,
     SenderState,
 )
-from kvxfer.tags import GEN_MASK, MAX_SLOTS, Tag, split_imm32
+from kvxfer.core.tags import GEN_MASK, MAX_SLOTS, Tag, split_imm32
+from kvxfer.core.writeguard import Window, WriteGuard
+from kvxfer.errors import IllegalTransition, WriteRefused
 from kvxfer.wire.frames import RUN_DTYPE
-from kvxfer.writeguard import Window, WriteGuard
 
 from .conftest import make_layout
 

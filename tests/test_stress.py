@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from kvxfer.errors import ConfigError
-from kvxfer.stress import ALL_FAULTS, StressConfig
-from kvxfer.stress.workload import Workload
+from kvxfer.tools.stress import ALL_FAULTS, StressConfig
+from kvxfer.tools.stress.workload import Workload
 
 pytestmark = pytest.mark.slow
 

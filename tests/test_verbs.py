@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvxfer import AdmissionRejected, ReceiverState, SenderState
+from kvxfer.core.ledger import PageState
 from kvxfer.errors import NotReadable
-from kvxfer.ledger import PageState
 from kvxfer.transport import verbs
 from kvxfer.wire import messages as m
 
@@ -177,8 +177,8 @@ def test_post_rate_is_measured(engines):
 
 def test_untrusted_peer_cannot_peer_over_verbs(engines):
     from kvxfer import DecodeEngine, EngineConfig
-    from kvxfer.auth import Keyring
     from kvxfer.errors import PeerError
+    from kvxfer.wire.auth import Keyring
 
     from .conftest import make_layout
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile native/kvxfer_gpu.cu to PTX (kvxfer/gpu/kvxfer_gpu.ptx) with NVRTC.
+"""Compile native/kvxfer_gpu.cu to PTX (kvxfer/core/gpu/kvxfer_gpu.ptx) with NVRTC.
 
 kvxfer ships the PTX, not the CUDA source's compiler: the CUDA driver JIT-compiles PTX for whatever
 GPU it finds, so a machine running kvxfer needs the driver only. Use an old NVRTC on purpose: PTX
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "native" / "kvxfer_gpu.cu"
-TARGET = ROOT / "kvxfer" / "gpu" / "kvxfer_gpu.ptx"
+TARGET = ROOT / "kvxfer" / "core" / "gpu" / "kvxfer_gpu.ptx"
 
 
 def compile_ptx(nvrtc_path: str, source: bytes, arch: str) -> tuple[bytes, str]:

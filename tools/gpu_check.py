@@ -32,10 +32,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvxfer.gpu import driver  # noqa: E402
-from kvxfer.gpu import kernels as K  # noqa: E402
-from kvxfer.gpu.region import CudaRegion  # noqa: E402
-from kvxfer.layout import BufferSpec, KVLayout  # noqa: E402
+from kvxfer.core.gpu import driver  # noqa: E402
+from kvxfer.core.gpu import kernels as K  # noqa: E402
+from kvxfer.core.gpu.region import CudaRegion  # noqa: E402
+from kvxfer.core.layout import BufferSpec, KVLayout  # noqa: E402
 
 PAGE_TOKENS = 16
 RESULTS: list[dict] = []
@@ -93,7 +93,7 @@ def layout_over(buffers: list[DeviceBuffer], pages: int) -> KVLayout:
 
 
 def check_checksums() -> None:
-    from kvxfer.checksum import checksum_pages
+    from kvxfer.core.checksum import checksum_pages
 
     for item in (4096, 4100, 65536, 1 << 20):
         pages = max(8, min(512, (64 << 20) // item))
@@ -217,7 +217,7 @@ def _decode_process(conn) -> None:
             rid, tokens = job
             decode.admit(rid, tokens, peer=peer)
             req = decode.wait(rid, timeout=120)
-            from kvxfer.checksum import checksum_pages
+            from kvxfer.core.checksum import checksum_pages
 
             results.append((rid, req.state.value, checksum_pages(layout, req.pages, "adler32") if
                             req.state.value == "READABLE" else None))
@@ -227,7 +227,7 @@ def _decode_process(conn) -> None:
 
 def check_tcp_two_processes() -> None:
     from kvxfer import EngineConfig, PrefillEngine
-    from kvxfer.checksum import checksum_pages
+    from kvxfer.core.checksum import checksum_pages
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -274,7 +274,7 @@ def check_tcp_two_processes() -> None:
 
 
 def check_scrub() -> None:
-    from kvxfer.pool import PagePool
+    from kvxfer.core.pool import PagePool
 
     buffers = [DeviceBuffer(64 * 4096) for _ in range(2)]
     for b in buffers:

@@ -36,7 +36,7 @@ def packed_offsets(lengths: np.ndarray) -> np.ndarray:
 
 class HostCopy:
     """Copies between host buffers with ``memmove`` (synchronous), executing the same descriptor
-    table (:func:`~kvxfer.gpu.kernels.split_runs`) that :class:`CudaCopy` hands its kernel."""
+    table (:func:`~kvxfer.core.gpu.kernels.split_runs`) that :class:`CudaCopy` hands its kernel."""
 
     def __init__(self) -> None:
         self._buffers: list[np.ndarray] = []
@@ -48,7 +48,7 @@ class HostCopy:
 
     @staticmethod
     def _copy_runs(sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarray) -> None:
-        from ..gpu.kernels import split_runs  # host math only: no CUDA
+        from ..core.gpu.kernels import split_runs  # host math only: no CUDA
 
         for src, dst, n in split_runs(sources, destinations, lengths).tolist():
             ctypes.memmove(dst, src, n)
@@ -71,7 +71,7 @@ class _CudaSlot:
     descriptor table (pinned on the host, copied to the device with each frame)."""
 
     def __init__(self, driver: Any, device: int, nbytes: int) -> None:
-        from ..gpu.kernels import PIECE
+        from ..core.gpu.kernels import PIECE
         from ..wire.frames import MAX_RUNS
 
         self.capacity = MAX_RUNS + nbytes // PIECE + 1  # pieces of one frame, at most
@@ -92,7 +92,7 @@ class _CudaSlot:
 
     def describe(self, sources: np.ndarray, destinations: np.ndarray, lengths: np.ndarray) -> int:
         """Write the descriptor table of these runs into the pinned table; returns its row count."""
-        from ..gpu.kernels import split_runs
+        from ..core.gpu.kernels import split_runs
 
         table = split_runs(sources, destinations, lengths)
         if len(table) > self.capacity:
@@ -116,7 +116,7 @@ class CudaCopy:
     than the bytes when pages are small)."""
 
     def __init__(self, device: int) -> None:
-        from ..gpu import driver
+        from ..core.gpu import driver
 
         self._driver = driver
         self.device = device
@@ -137,7 +137,7 @@ class CudaCopy:
 
     def _copy_runs(self, stream: Any, slot: _CudaSlot, sources: np.ndarray, destinations: np.ndarray,
                    lengths: np.ndarray) -> None:
-        from ..gpu.kernels import BLOCK
+        from ..core.gpu.kernels import BLOCK
 
         pieces = slot.describe(sources, destinations, lengths)
         stream.to_device(slot.table_device.address, slot.table_host.address, pieces * 24)
@@ -183,7 +183,7 @@ def copy_engine(layout: Any, forced: str | None = None) -> Any:
         if len(devices) != 1:
             raise ConfigError("the tcp transport stages GPU pages of one device per engine; the layout spans "
                               f"{sorted(devices)}")
-        from ..gpu import available
+        from ..core.gpu import available
 
         ok, why = available()
         if not ok:

@@ -2,7 +2,7 @@
 
 The receiving side behaves like a NIC: a thread per connection reads frames and lands WRITE
 payloads straight into the destination pages with ``recv_into`` (no intermediate copy), consulting
-only the :class:`~kvxfer.writeguard.WriteGuard` (the software rkey), never the decode engine's logic.
+only the :class:`~kvxfer.core.writeguard.WriteGuard` (the software rkey), never the decode engine's logic.
 A refused write's payload is read into a scratch buffer and dropped. ORDERED frames (DONE,
 DRAIN_ACK, REJECT, ABORT) are handed to the engine only after every earlier frame on the connection
 was processed, which is what makes them drain proofs.
@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import native
+from ..core import native
+from ..core.layout import KVLayout
+from ..core.runs import FrameCut, WriteBatch, cut_frames
+from ..core.writeguard import WriteGuard
 from ..errors import KvxferError, ProtocolError, TransportError, WriteRefused
-from ..layout import KVLayout
-from ..runs import FrameCut, WriteBatch, cut_frames
 from ..wire import frames as f
 from ..wire import messages as m
-from ..writeguard import WriteGuard
 from .faults import FaultInjector
 from .staging import Staging, copy_engine, packed_offsets
 
@@ -139,7 +139,7 @@ class TcpReceiver:
         checksum: Any = None,
         staging: str | None = None,
     ) -> None:
-        from ..checksum import ChecksumAlgo, native_id
+        from ..core.checksum import ChecksumAlgo, native_id
 
         self.layout = layout
         self.guard = guard
@@ -416,7 +416,7 @@ class TcpLink:
         checksum: Any = None,
         staging: str | None = None,
     ) -> None:
-        from ..checksum import ChecksumAlgo, native_id
+        from ..core.checksum import ChecksumAlgo, native_id
 
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)  # item checksums taken while sending, in the same C loop

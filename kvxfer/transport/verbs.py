@@ -7,7 +7,7 @@ buffer addresses and rkeys (VERBS_INFO), connects to the writer's (VERBS_CONNECT
 work requests posted for immediates and polls its completion queue. The writing side
 (:class:`VerbsLink`) posts each chunk as a chain of RDMA WRITEs (runs contiguous on both sides
 coalesced, every ``SIGNAL_EVERY``-th and the last signalled); a request's final write is
-RDMA_WRITE_WITH_IMM whose immediate is the request's tag (:meth:`kvxfer.tags.Tag.imm32`).
+RDMA_WRITE_WITH_IMM whose immediate is the request's tag (:meth:`kvxfer.core.tags.Tag.imm32`).
 
 Rules that make it as safe as tcp:
 
@@ -15,7 +15,7 @@ Rules that make it as safe as tcp:
   work request posted before them has a completion: on RC, a completion means the responder
   acknowledged, so the data is placed. That is the drain proof.
 * The receiver cannot see plain RDMA WRITEs land, so DONE carries the write log and the receiver
-  checks and records it with the same :class:`~kvxfer.writeguard.WriteGuard` tcp uses; it also
+  checks and records it with the same :class:`~kvxfer.core.writeguard.WriteGuard` tcp uses; it also
   requires the final write's immediate, with a matching tag, to have arrived. A completion with a
   stale or unknown tag is counted and completes nothing.
 * Fencing moves the receiver's queue pair to the error state: a write that arrives afterwards is
@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
+from ..core.layout import KVLayout
+from ..core.memory import MemoryRegion
+from ..core.runs import WriteBatch
+from ..core.tags import Tag
+from ..core.writeguard import WriteGuard
 from ..errors import ConfigError, ProtocolError, TransportError, WriteRefused
-from ..layout import KVLayout
-from ..memory import MemoryRegion
-from ..runs import WriteBatch
-from ..tags import Tag
 from ..wire import messages as m
-from ..writeguard import WriteGuard
 
 log = logging.getLogger("kvxfer.verbs")
 

@@ -6,7 +6,7 @@ hypothesis tests and the corpus replay test:
 * :func:`control_message`: one control message as it arrives on the control plane
   (:func:`kvxfer.wire.messages.decode`), plus DONE's verbs write log when present;
 * :func:`frame_stream`: a data-plane byte stream as the tcp receiver consumes it: frame headers,
-  WRITE run tables checked by a real :class:`~kvxfer.writeguard.WriteGuard` against a real ledger
+  WRITE run tables checked by a real :class:`~kvxfer.core.writeguard.WriteGuard` against a real ledger
   with a write window open, ORDERED and CONNECT message bodies.
 
 The contract under test: malformed input raises :class:`~kvxfer.errors.ProtocolError`, a write the
@@ -95,9 +95,9 @@ def _check_runs_with_guard(runs: np.ndarray, *, conn: str, slot: int, gen: int) 
 def _fuzz_guard():  # one small real guard with one window open, built once per process
     global _guard
     if _guard is None:
-        from ..layout import KVLayout
-        from ..ledger import PageLedger
-        from ..writeguard import Window, WriteGuard
+        from ..core.layout import KVLayout
+        from ..core.ledger import PageLedger
+        from ..core.writeguard import Window, WriteGuard
 
         layout = KVLayout.allocate(num_buffers=FUZZ_BUFFERS, item_len=FUZZ_ITEM, num_pages=FUZZ_PAGES, page_size=16)
         ledger = PageLedger(FUZZ_PAGES)

@@ -60,10 +60,10 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from ...core.layout import KVLayout
+from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import AdmissionRejected, KvxferError, PeerError
-from ...layout import KVLayout
-from ...lifecycle import ReceiverState, SenderState
 from . import ADMISSION_REFUSED
 
 log = logging.getLogger("kvxfer.sglang")

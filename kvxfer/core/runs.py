@@ -1,0 +1,159 @@
+"""Turning (source pages, destination pages) into the byte runs a transport posts.
+
+Page i of a chunk goes from ``src_pages[i]`` to ``dst_pages[i]`` in every buffer. Positions where
+both sides continue contiguously merge into one run (Mooncake's ``group_concurrent_contiguous``), so
+a request laid out contiguously on both sides costs one run per buffer. Everything is vectorised:
+no Python work per page.
+
+A transport with a frame size limit (tcp: its staging buffers) cuts a batch with
+:func:`cut_frames`: runs longer than the limit are split at item boundaries, whatever their length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .layout import KVLayout
+
+
+@dataclass
+class WriteBatch:
+    """Byte runs of one chunk of one request, in buffer-major order (one run = one RDMA WRITE)."""
+
+    slot: int
+    gen: int
+    buffers: np.ndarray
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+    cancelled: bool = False
+    final: bool = False  # the request's last chunk: its last write carries the tag as immediate (verbs)
+    owner: Any = None
+    # Per-item source checksums (buffer-major, chunk page order): taken by the tcp sender while it
+    # sends (``sums_done``), or computed off the sending thread (``sums_ready``, an Event; verbs).
+    item_sums: np.ndarray | None = None
+    sums_filled: int = 0
+    sums_done: bool = False
+    sums_ready: Any = None
+    # Set by the caller when the source pages are still being written by a device stream (SGLang's
+    # early send under overlap scheduling): an object with ``synchronize()`` (a CUDA event) or
+    # ``wait()``. Whoever reads the source pages first waits on it (:meth:`wait_sources`).
+    ready: Any = None
+
+    def wait_sources(self) -> None:
+        """Block until the source pages hold what the caller wrote (no-op without ``ready``)."""
+        ready = self.ready
+        if ready is None:
+            return
+        wait = getattr(ready, "synchronize", None) or ready.wait
+        wait()
+        self.ready = None
+
+    def log_bytes(self) -> bytes:
+        """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""
+        from ..wire.frames import pack_runs
+
+        return pack_runs(self.buffers, self.dst_offsets, self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_start, dst_start, count)`` of maximal runs contiguous on both sides."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"{src.size} source pages for {dst.size} destination pages")
+    if src.size == 0:
+        return src, dst, src
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return src[starts], dst[starts], ends - starts
+
+
+def build_batch(
+    layout: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray, *, slot: int, gen: int
+) -> WriteBatch:
+    """All buffers' runs for a chunk, offsets relative to each buffer's base."""
+    src_start, dst_start, count = coalesce(src_pages, dst_pages)
+    nb = layout.num_buffers
+    items = np.repeat(layout.item_lens, len(count))
+    buffers = np.repeat(np.arange(nb, dtype=np.int64), len(count))
+    return WriteBatch(
+        slot=slot,
+        gen=gen,
+        buffers=buffers,
+        src_offsets=np.tile(src_start, nb) * items,
+        dst_offsets=np.tile(dst_start, nb) * items,
+        lengths=np.tile(count, nb) * items,
+    )
+
+
+@dataclass
+class FrameCut:
+    """One frame's share of a batch: whole runs, or item-aligned pieces of runs, in batch order."""
+
+    buffers: np.ndarray
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+    nbytes: int
+    runs_before: int  # runs of the batch wholly sent before this frame
+    runs_done: int  # runs of the batch whose last byte travels in this frame
+
+
+def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_runs: int) -> list[FrameCut]:
+    """Cut ``batch`` into frames of at most ``max_bytes`` payload and ``max_runs`` runs.
+
+    Runs that fit go whole, as many per frame as fit (greedy, in order). A run whose rest is longer
+    than ``max_bytes`` is split at item boundaries (``item_lens[buffer]``) into pieces of as many
+    whole items as fit, so every piece is itself a valid write (offset and length whole items) and
+    the concatenated pieces are the batch's item sequence in order (the order of item checksums).
+    Per frame: a binary search on the runs' cumulative lengths and slices; nothing per page."""
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    total = len(lengths)
+    if total == 0:
+        return []
+    items = np.asarray(item_lens, dtype=np.int64)[batch.buffers]
+    if int(items.max()) > max_bytes:
+        raise ValueError(f"an item of {int(items.max())} bytes does not fit a frame of {max_bytes} bytes")
+    if max_runs < 1:
+        raise ValueError("a frame holds at least one run")
+    ends = np.cumsum(lengths)  # where each run ends in the batch's byte stream
+    cuts: list[FrameCut] = []
+    run, off = 0, 0  # the next byte to cut: ``off`` bytes into run ``run``
+    while run < total:
+        rest = int(lengths[run]) - off
+        if rest > max_bytes:  # a piece of this run alone: as many whole items as fit
+            item = int(items[run])
+            take = max_bytes // item * item
+            end, done = run + 1, 0
+        else:  # the rest of this run, then whole runs while they fit
+            start_at = int(ends[run]) - rest
+            end = int(np.searchsorted(ends, start_at + max_bytes, side="right"))
+            end = min(end, run + max_runs, total)
+            take, done = rest, end - run
+        src = batch.src_offsets[run:end]
+        dst = batch.dst_offsets[run:end]
+        lens = lengths[run:end]
+        if off or take != rest:  # the first entry is a piece: adjust copies, never the batch
+            src, dst, lens = src.copy(), dst.copy(), lens.copy()
+            src[0] += off
+            dst[0] += off
+            lens[0] = take
+        cuts.append(FrameCut(buffers=batch.buffers[run:end], src_offsets=src, dst_offsets=dst, lengths=lens,
+                             nbytes=int(lens.sum()), runs_before=run, runs_done=done))
+        if done:
+            run, off = end, 0
+        else:
+            off += take
+    return cuts

@@ -1,0 +1,297 @@
+"""The receiver's write guard: whether a one-sided write may land, and what landed for whom.
+
+This is the software twin of an RDMA rkey, and every transport uses it (the tcp transport before
+each payload lands, the verbs transport when attributing completions), so there is one copy of the
+rules:
+
+* a write carries a tag ``(slot, generation)`` and arrives on a connection;
+* it is accepted only if a *window* is open for that generation, the slot matches, it arrived on
+  the connection the window was opened for, and every byte falls inside whole pages that the
+  ledger holds ``RESERVED``/``WRITTEN`` for that generation;
+* anything else is refused with a reason, counted and logged, and lands nowhere;
+* what landed is recorded per (buffer, page) in a coverage bitmap, which completion verification
+  reads; a page covered in every buffer becomes ``WRITTEN``.
+
+Invariants: windows open only over pages the ledger holds for their generation; coverage of a page
+is reset when a window opens over it; all state here and all ledger changes of the receiver happen
+under the engine's lock (``lock``), so a page cannot change owner between check and record.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import WriteRefused
+from .layout import KVLayout
+from .ledger import WRITABLE_STATES, PageLedger
+
+log = logging.getLogger("kvxfer.writeguard")
+_LOG_FIRST = 20
+
+
+@dataclass
+class Window:
+    """Write permission for one request generation over its reserved pages."""
+
+    rid: Any
+    gen: int
+    slot: int
+    conn: Any
+    pages: np.ndarray
+    open: bool = True
+    bytes_landed: int = 0
+    writes_landed: int = 0
+    duplicate_items: int = 0
+    refused: int = 0
+    final_writes: int = 0
+    final_bytes: int = 0
+    first_landed: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def expand_runs(first_pages: np.ndarray, page_counts: np.ndarray) -> np.ndarray:
+    """Concatenate ``range(first, first + count)`` for every run, vectorised."""
+    total = int(page_counts.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    starts = np.repeat(first_pages, page_counts)
+    run_base = np.repeat(np.cumsum(page_counts) - page_counts, page_counts)
+    return starts + (np.arange(total, dtype=np.int64) - run_base)
+
+
+class WriteGuard:
+    def __init__(self, layout: KVLayout, ledger: PageLedger, lock: threading.RLock | None = None) -> None:
+        self.layout = layout
+        self.ledger = ledger
+        self.lock = lock or threading.RLock()
+        self.covered = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
+        # Per (buffer, page) checksum of the item as it landed, when the transport computed one while
+        # the bytes were still in cache; ``summed`` says which items have a current one.
+        self.item_sum = np.zeros((layout.num_buffers, layout.num_pages), dtype=np.uint32)
+        self.summed = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
+        self._windows: dict[int, Window] = {}
+        self._by_slot: dict[int, Window] = {}
+        self.newest_generation = 0
+        self.requires_final = False  # verbs: a request's final write (with immediate) must be seen
+        self.refused: Counter[str] = Counter()
+        self.refused_bytes = 0
+        self.landed_bytes = 0
+        self.landed_writes = 0
+        # called (under the lock) with (reason, conn, refusal or None) for every refused write
+        self.on_refused: Any = None
+
+    # windows ----------------------------------------------------------------------------------
+    def open(self, window: Window) -> None:
+        with self.lock:
+            ok = self.ledger.owned_by(window.pages, window.gen, WRITABLE_STATES)
+            if not ok.all():
+                raise WriteRefused(
+                    "cannot open a write window over pages the request does not hold",
+                    reason="not_reserved",
+                    rid=window.rid,
+                    generation=window.gen,
+                    pages=window.pages[~ok],
+                )
+            self.covered[:, window.pages] = False
+            self.summed[:, window.pages] = False
+            self._windows[window.gen] = window
+            self._by_slot[window.slot] = window
+            self.newest_generation = max(self.newest_generation, window.gen)
+
+    def close(self, gen: int) -> Window | None:
+        """Revoke write permission for ``gen``: every later write for it is refused."""
+        with self.lock:
+            window = self._windows.get(gen)
+            if window is not None:
+                window.open = False
+            return window
+
+    def forget(self, gen: int) -> None:
+        with self.lock:
+            window = self._windows.pop(gen, None)
+            if window is not None and self._by_slot.get(window.slot) is window:
+                del self._by_slot[window.slot]
+
+    def final(self, conn: Any, imm: int, nbytes: int) -> Window | None:
+        """A final write's immediate arrived (verbs). Attribute it, or count it as stale/unknown."""
+        from .tags import GEN_MASK, split_imm32
+
+        with self.lock:
+            slot, gen_low = split_imm32(imm)
+            window = self._by_slot.get(slot)
+            if window is None or not window.open or (window.gen & GEN_MASK) != gen_low or window.conn != conn:
+                reason = "stale_tag" if window is not None or gen_low else "unknown_tag"
+                self.refused[reason] += 1
+                count = self.refused[reason]
+                level = logging.WARNING if count <= _LOG_FIRST else logging.DEBUG
+                log.log(level, "final write refused (%s): immediate %#010x (slot %d, generation mod 2^16 %d) "
+                        "matches no open window on %s", reason, imm, slot, gen_low, conn)
+                if self.on_refused is not None:
+                    self.on_refused(reason, conn, None)
+                return None
+            window.final_writes += 1
+            window.final_bytes += nbytes
+            return window
+
+    def window(self, gen: int) -> Window | None:
+        return self._windows.get(gen)
+
+    def open_windows(self) -> list[Window]:
+        with self.lock:
+            return [w for w in self._windows.values() if w.open]
+
+    # the check ---------------------------------------------------------------------------------
+    def check(self, conn: Any, slot: int, gen: int, runs: np.ndarray) -> tuple[Window, np.ndarray]:
+        """Accept a write (returns its window and per-run page counts) or raise WriteRefused.
+
+        ``runs`` is a structured array with ``buffer``, ``offset`` and ``length`` fields."""
+        with self.lock:
+            nbytes = int(runs["length"].sum())
+            try:
+                return self._check(conn, slot, gen, runs)
+            except WriteRefused as refusal:
+                self.refused[refusal.reason] += 1
+                self.refused_bytes += nbytes
+                window = self._windows.get(gen)
+                if window is not None:
+                    window.refused += 1
+                count = self.refused[refusal.reason]
+                level = logging.WARNING if count <= _LOG_FIRST else logging.DEBUG
+                log.log(level, "write refused (%s, #%d of this kind): %s", refusal.reason, count, refusal)
+                if self.on_refused is not None:
+                    self.on_refused(refusal.reason, conn, refusal)
+                raise
+
+    def _check(self, conn: Any, slot: int, gen: int, runs: np.ndarray) -> tuple[Window, np.ndarray]:
+        window = self._windows.get(gen)
+        if window is None or not window.open:
+            if window is not None or 0 < gen <= self.newest_generation:
+                rid = window.rid if window is not None else None
+                raise WriteRefused(
+                    f"stale tag (slot {slot}): the generation's write window is closed",
+                    reason="stale_tag",
+                    rid=rid,
+                    generation=gen,
+                )
+            raise WriteRefused(
+                f"unknown tag (slot {slot}): no write window was ever opened for this generation",
+                reason="unknown_tag",
+                generation=gen,
+            )
+        if window.slot != slot:
+            raise WriteRefused(
+                f"tag slot {slot} does not match the window's slot {window.slot}",
+                reason="tag_mismatch",
+                rid=window.rid,
+                generation=gen,
+            )
+        if window.conn != conn:
+            raise WriteRefused(
+                f"write arrived on connection {conn}, the window belongs to {window.conn}",
+                reason="wrong_connection",
+                rid=window.rid,
+                generation=gen,
+            )
+        buffers = runs["buffer"].astype(np.int64)
+        offsets = runs["offset"].astype(np.int64)
+        lengths = runs["length"].astype(np.int64)
+        if (offsets < 0).any() or (lengths <= 0).any():  # parsers refuse these; never trust one caller
+            raise WriteRefused("write with a negative offset or a non-positive length", reason="out_of_range",
+                               rid=window.rid, generation=gen)
+        if (buffers >= self.layout.num_buffers).any():
+            raise WriteRefused(
+                f"write names buffer {int(buffers.max())}; the layout has {self.layout.num_buffers}",
+                reason="bad_buffer",
+                rid=window.rid,
+                generation=gen,
+            )
+        items = self.layout.item_lens[buffers]
+        if ((offsets % items) != 0).any() or ((lengths % items) != 0).any():
+            raise WriteRefused(
+                "write is not aligned to whole pages", reason="misaligned", rid=window.rid, generation=gen
+            )
+        first = offsets // items
+        counts = lengths // items
+        if ((first + counts) > self.layout.num_pages).any():
+            bad = first[(first + counts) > self.layout.num_pages]
+            raise WriteRefused(
+                f"write beyond the pool's {self.layout.num_pages} pages",
+                reason="out_of_range",
+                rid=window.rid,
+                generation=gen,
+                pages=bad,
+            )
+        pages = expand_runs(first, counts)
+        ok = self.ledger.owned_by(pages, gen, WRITABLE_STATES)
+        if not ok.all():
+            raise WriteRefused(
+                "write touches pages not reserved for this generation",
+                reason="not_reserved",
+                rid=window.rid,
+                generation=gen,
+                pages=pages[~ok],
+            )
+        return window, counts
+
+    def record(self, window: Window, runs: np.ndarray, counts: np.ndarray | None = None,
+               sums: np.ndarray | None = None) -> None:
+        """Record that an accepted write's bytes have landed (with their item checksums, if known)."""
+        with self.lock:
+            buffers = runs["buffer"].astype(np.int64)
+            lengths = runs["length"].astype(np.int64)
+            items = self.layout.item_lens[buffers]
+            if counts is None:
+                counts = lengths // items
+            first = runs["offset"].astype(np.int64) // items
+            pages = expand_runs(first, counts)
+            page_buffers = np.repeat(buffers, counts)
+            already = self.covered[page_buffers, pages]
+            window.duplicate_items += int(already.sum())
+            self.covered[page_buffers, pages] = True
+            if sums is not None and len(sums) == len(pages):
+                self.item_sum[page_buffers, pages] = sums
+                self.summed[page_buffers, pages] = True
+            else:
+                self.summed[page_buffers, pages] = False
+            touched = np.unique(pages)
+            full = self.covered[:, touched].all(axis=0)
+            self.ledger.mark_written(touched[full], window.gen)
+            nbytes = int(lengths.sum())
+            window.bytes_landed += nbytes
+            window.writes_landed += len(runs)
+            self.landed_bytes += nbytes
+            self.landed_writes += len(runs)
+
+    # queries ------------------------------------------------------------------------------------
+    def landed_checksum(self, pages: np.ndarray, algo: Any) -> int | None:
+        """The request checksum combined from item checksums taken as the bytes landed, or None if
+        some item has none (the caller then reads the pages)."""
+        from .checksum import combine
+
+        with self.lock:
+            if not self.summed[:, pages].all():
+                return None
+            values = self.item_sum[:, pages].reshape(-1)
+        lengths = np.repeat(self.layout.item_lens, len(pages))
+        return combine(algo, values, lengths)
+
+    def uncovered(self, pages: np.ndarray) -> np.ndarray:
+        """Pages (of ``pages``) not covered in every buffer."""
+        with self.lock:
+            return pages[~self.covered[:, pages].all(axis=0)]
+
+    def counters(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "landed_bytes": self.landed_bytes,
+                "landed_writes": self.landed_writes,
+                "refused_writes": sum(self.refused.values()),
+                "refused_bytes": self.refused_bytes,
+                "refused_by_reason": dict(self.refused),
+            }

@@ -1,0 +1,364 @@
+"""DecodeEngine: the receiving role wired to the control plane and a receiver transport."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from ..core.layout import KVLayout
+from ..core.lifecycle import ReceiverState
+from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..transport.faults import FaultInjector
+from ..transport.tcp import TcpReceiver
+from ..wire import messages as m
+from .base import ORDERED_MESSAGES, EngineBase, _Worker
+from .config import EngineConfig
+from .reads import KVRead
+from .receiver import PeerInfo, Receiver, ReceiveRequest
+
+log = logging.getLogger("kvxfer.engine")
+
+class DecodeEngine(EngineBase):
+    """The receiving role: reserves pages, lands verified writes, gates reads."""
+
+    role = "decode"
+
+    def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
+        super().__init__(layout, config, faults=faults)
+        self._verifier = _Worker(f"kvxfer-{self.role}-verify")
+        self.receiver = Receiver(
+            self.pool,
+            max_context=config.max_context,
+            checksum=config.checksum,
+            max_inflight=config.max_inflight,
+            transfer_timeout=config.transfer_timeout,
+            drain_timeout=config.drain_timeout,
+            send=self._send_to_peer,
+            lock=self.lock,
+            unsafe_legacy=config.unsafe_legacy,
+            defer=self._verifier.submit,
+            observer=self._observe,
+        )
+        self.receiver.guard.on_refused = self._write_refused
+        self._pending_hello: dict[bytes, dict[str, Any]] = {}
+        self.transport: Any
+        try:
+            if config.transport == "verbs":
+                from ..transport.verbs import VerbsReceiver
+
+                self.transport = VerbsReceiver(layout, self.receiver.guard, config.verbs_options(),
+                                               on_closed=self._on_data_closed)
+            else:
+                self.transport = TcpReceiver(
+                    layout,
+                    self.receiver.guard,
+                    host=config.host,
+                    port=config.data_port,
+                    on_connect=self._on_data_connect,
+                    on_ordered=self.receiver.on_ordered,
+                    on_closed=self._on_data_closed,
+                    checksum=config.checksum,
+                    staging=config.extra.get("tcp_staging"),
+                )
+        except OSError as exc:
+            self.control.close()
+            self._verifier.close()
+            raise TransportError(f"cannot listen for data on {config.host}:{config.data_port}: {exc}") from exc
+        except Exception:
+            self.control.close()
+            self._verifier.close()
+            raise
+        self.data_address = self.transport.address
+        self._start()
+
+    # peering ---------------------------------------------------------------------------------------
+    def connect(self, prefill_address: str, *, timeout: float = 10.0) -> str:
+        """Peer with the prefill engine at ``prefill_address``; returns its engine id."""
+        self._check_open()
+        session = secrets.token_bytes(16)
+        hello = m.Hello(
+            engine=self.engine_id, role="decode", session=session, reply_to=self.address,
+            transport=self.config.transport, data_addr=self.data_address,
+            page_size=self.layout.page_size, num_pages=self.layout.num_pages,
+            item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
+            max_context=self.config.max_context, checksum=self.config.checksum,
+        )
+        with self.lock:
+            self._pending_hello[session] = {"address": prefill_address, "error": None, "peer": None}
+        self.control.send(prefill_address, hello)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                entry = self._pending_hello[session]
+                if entry["error"] is not None:
+                    del self._pending_hello[session]
+                    raise PeerError(f"peering with {prefill_address} refused: {entry['error']}")
+                peer = entry["peer"]
+                if peer is not None and self.receiver.peers[peer].ready:
+                    del self._pending_hello[session]
+                    return peer
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    del self._pending_hello[session]
+                    raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
+                self.receiver.changed.wait(min(left, 0.1))
+
+    def _dispatch(self, identity: str, msg: m.Message) -> None:
+        if isinstance(msg, m.HelloAck):
+            self._on_hello_ack(identity, msg)
+            return
+        if identity not in self.receiver.peers:
+            raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
+        if isinstance(msg, m.Heartbeat):
+            return
+        if self.config.transport == "verbs":
+            if isinstance(msg, m.VerbsConnect):
+                self._on_verbs_connect(identity, msg)
+                return
+            if isinstance(msg, ORDERED_MESSAGES):
+                # The writer sent it only after every work request before it completed (drain proof).
+                conn = self.receiver.peers[identity].conn
+                if conn is None:
+                    raise PeerError(f"{msg.TYPE} from {identity!r}, which has no queue pair connected")
+                self.transport.sync(conn, msg.gen if isinstance(msg, m.Done) else None)
+                self.receiver.on_ordered(conn, msg)
+                return
+        if isinstance(msg, m.Error):
+            self.counters["peer_errors"] += 1
+            log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
+            return
+        if isinstance(msg, m.Reject):
+            # Rejections normally travel on the ordered data path; one here means the writer has no
+            # data connection, so treat it as an abort request (quarantine until proven drained).
+            with self.lock:
+                req = self.receiver.active.get(msg.rid)
+                if req is not None and req.gen == msg.gen and req.peer == identity:
+                    self.receiver.abort(msg.rid, f"prefill rejected it: {msg.detail}", failure=True,
+                                        generation=msg.gen)
+            return
+        raise ProtocolError(f"{msg.TYPE} is not a message a decode engine accepts")
+
+    def _on_hello_ack(self, identity: str, msg: m.HelloAck) -> None:
+        refused_conn = None
+        with self.lock:
+            entry = self._pending_hello.get(msg.session)
+            if entry is None:
+                raise PeerError("HELLO_ACK for a session this engine did not open")
+            problem = "" if msg.ok else (msg.error or "refused")
+            if not problem:
+                try:
+                    self.layout.check_compatible(
+                        {"page_size": msg.page_size, "item_lens": msg.item_lens}, peer_name=identity
+                    )
+                except ConfigError as exc:
+                    problem = str(exc)
+            early = entry.get("early_conn")
+            if problem or (early is not None and early[0] != identity):
+                entry["error"] = problem or f"data connection came from {early[0]!r}, not {identity!r}"
+                refused_conn = early
+            else:
+                info = PeerInfo(
+                    engine=identity, control=entry["address"], session=msg.session,
+                    pool_tokens=msg.pool_tokens, max_context=msg.max_context, page_size=msg.page_size,
+                    last_seen=time.monotonic(),
+                )
+                if early is not None:
+                    info.conn, info.epoch, info.ready = early, early[1], True
+                self.receiver.add_peer(info)
+                entry["peer"] = identity
+            self.receiver.changed.notify_all()
+        if refused_conn is not None:
+            self.transport.fence(refused_conn)
+        if self.config.transport == "verbs" and entry.get("peer") == identity:
+            self._offer_verbs(identity, msg.session, 1)
+
+    def _offer_verbs(self, identity: str, session: bytes, epoch: int) -> None:
+        """Create a queue pair for the writer under ``epoch`` and tell it (VERBS_INFO)."""
+        try:
+            offer = self.transport.open_peer(identity, session, epoch)
+        except Exception as exc:
+            log.error("%s: cannot create a queue pair for %s: %s", self.engine_id, identity, exc)
+            with self.lock:
+                entry = next((e for e in self._pending_hello.values() if e.get("peer") == identity), None)
+                if entry is not None:
+                    entry["error"] = f"cannot create a queue pair: {exc}"
+                self.receiver.changed.notify_all()
+            return
+        self._send_to_peer(identity, offer)
+
+    def _on_verbs_connect(self, identity: str, msg: m.VerbsConnect) -> None:
+        with self.lock:
+            info = self.receiver.peers[identity]
+            if msg.engine != identity or not secrets.compare_digest(info.session, msg.session):
+                raise PeerError(f"VERBS_CONNECT from {identity!r} with a wrong session")
+            if msg.epoch <= info.epoch:
+                raise PeerError(f"VERBS_CONNECT epoch {msg.epoch} is not after {info.epoch}")
+        conn = self.transport.connect_peer(msg)
+        with self.lock:
+            info.epoch = msg.epoch
+            info.conn = conn
+            info.ready = True
+            self.receiver.changed.notify_all()
+
+    def _on_data_connect(self, msg: m.Connect) -> Any:
+        with self.lock:
+            info = self.receiver.peers.get(msg.engine)
+            if info is None:
+                # The writer may open its data path before its HELLO_ACK reached us (two sockets).
+                entry = next((e for s, e in self._pending_hello.items()
+                              if secrets.compare_digest(s, msg.session)), None)
+                if entry is None or entry.get("early_conn") is not None:
+                    self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                                why="unknown session")
+                    log.warning("%s: data connection from %r refused: unknown session", self.engine_id, msg.engine)
+                    return None
+                entry["early_conn"] = (msg.engine, msg.epoch)
+                return entry["early_conn"]
+            if not secrets.compare_digest(info.session, msg.session):
+                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                            why="wrong session")
+                log.warning("%s: data connection from %r refused: wrong session", self.engine_id, msg.engine)
+                return None
+            if msg.epoch <= info.epoch:
+                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
+                            why=f"epoch {msg.epoch} not after {info.epoch}")
+                log.warning("%s: data connection from %r refused: epoch %d not after %d",
+                            self.engine_id, msg.engine, msg.epoch, info.epoch)
+                return None
+            info.epoch = msg.epoch
+            info.conn = (msg.engine, msg.epoch)
+            info.ready = True
+            self.receiver.changed.notify_all()
+            return info.conn
+
+    def _write_refused(self, reason: str, conn: Any, refusal: Any) -> None:
+        """WriteGuard hook (under the lock): one rate-limited event line per refused write."""
+        fields: dict[str, Any] = {"reason": reason, "conn": conn}
+        if refusal is not None:
+            fields.update(rid=refusal.rid, gen=refusal.generation, pages=(refusal.pages or [])[:16],
+                          error=refusal.detail[:300])
+        self.events.emit("write_refused", limit_key=reason, **fields)
+
+    def _on_data_closed(self, conn: Any, reason: str) -> None:
+        self.counters["connections_lost"] += 1
+        log.info("%s: data connection %s closed: %s", self.engine_id, conn, reason)
+        self.receiver.on_connection_closed(conn, reason)
+
+    def fence(self, conn: Any, reason: str) -> bool:
+        """Fence a data connection: after this returns nothing from it can land. Never under lock."""
+        closed = self.transport.fence(conn)
+        if closed:
+            self._event("fence", counter="fences", limit_key="", peer=conn[0], epoch=conn[1], reason=reason[:500])
+            log.warning("%s: fenced data connection %s: %s", self.engine_id, conn, reason)
+            self.receiver.on_connection_closed(conn, f"fenced: {reason}")
+            peer, epoch = conn
+            self._send_to_peer(peer, m.Fenced(epoch=epoch, reason=reason[:4000]))
+            info = self.receiver.peers.get(peer)
+            if self.config.transport == "verbs" and info is not None and not self._closed:
+                self._offer_verbs(peer, info.session, epoch + 1)
+        return closed
+
+    def _tick(self) -> None:
+        for conn, reason in self.receiver.tick():
+            self.fence(conn, reason)
+        now = time.monotonic()
+        dead = []
+        with self.lock:
+            for info in self.receiver.peers.values():
+                if info.ready and now - info.last_seen > self.config.peer_timeout:
+                    info.ready = False
+                    dead.append(info)
+        for info in dead:
+            self._event("dead_peer", counter="dead_peers", peer=info.engine, silent_s=round(now - info.last_seen, 3))
+            log.warning("%s: peer %s silent for %.1f s: dead", self.engine_id, info.engine, now - info.last_seen)
+            if info.conn is not None:
+                self.fence(info.conn, f"peer {info.engine} dead (silent for {now - info.last_seen:.1f} s)")
+
+    def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        for peer in list(self.receiver.peers):
+            self._send_to_peer(peer, m.Heartbeat(engine=self.engine_id, seq=self._hb_seq))
+
+    def _note_alive(self, identity: str) -> None:
+        info = self.receiver.peers.get(identity)
+        if info is not None:
+            info.last_seen = time.monotonic()
+            if info.conn is not None:
+                info.ready = True
+
+    def _peer_address(self, identity: str) -> str | None:
+        info = self.receiver.peers.get(identity)
+        return info.control if info is not None else None
+
+    def _close_transport(self) -> None:
+        self.transport.close()
+        self._verifier.close()
+
+    # the API ---------------------------------------------------------------------------------------
+    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
+        """Admit a request and reserve its pages (or refuse: see :meth:`Receiver.admit`)."""
+        self._check_open()
+        return self.receiver.admit(rid, tokens, peer=peer, pages=pages)
+
+    def abort(self, rid: Any, reason: str = "aborted by caller", *, generation: int | None = None) -> ReceiveRequest:
+        """Abort a request (``generation``: only that generation of the id; StaleGeneration otherwise).
+        Pages with writes possibly in flight are quarantined until a drain proof or a fence."""
+        self._check_open()
+        return self.receiver.abort(rid, reason, generation=generation)
+
+    def status(self, rid: Any) -> ReceiveRequest:
+        return self.receiver.status(rid)
+
+    def wait(self, rid: Any, *, timeout: float = 30.0,
+             until: tuple[ReceiverState, ...] | None = None) -> ReceiveRequest:
+        """Block until the request is READABLE or terminal (or in one of ``until``)."""
+        targets = until or (ReceiverState.READABLE, ReceiverState.REJECTED, ReceiverState.FAILED,
+                            ReceiverState.ABORTED, ReceiverState.RELEASED)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                req = self.receiver.status(rid)
+                if req.state in targets:
+                    return req
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferFailed(f"still {req.state.value} after {timeout:g} s", reason="wait_timeout",
+                                         rid=rid, generation=req.gen)
+                self.receiver.changed.wait(min(left, 0.1))
+
+    def read(self, rid: Any, *, generation: int | None = None) -> KVRead:
+        """A read lease on a readable request (:class:`~kvxfer.engine.reads.KVRead`; a context manager):
+        raises if not readable or not owned; until it ends, release and abort defer the free."""
+        req = self.receiver.open_lease(rid, generation=generation)
+        return KVRead(self.receiver, self.layout, req)
+
+    def release(self, rid: Any, *, generation: int | None = None) -> None:
+        self.receiver.release(rid, generation=generation)
+
+    def check_accounting(self) -> dict[str, int]:
+        return self.receiver.check_accounting()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            self.receiver.drain_ended_leases()  # a read dropped just before this call has ended
+            return {
+                "engine": self.engine_id,
+                "role": self.role,
+                "pages": self.pool.ledger.counts(),
+                "pool_total": self.layout.num_pages,
+                "pool_free": self.pool.ledger.free_count,
+                "requests": dict(self.receiver.stats),
+                "writes": self.receiver.guard.counters(),
+                "engine_counters": dict(self.counters),
+                "protocol_errors": self.transport.protocol_errors,
+                "data_path": {k: getattr(self.transport, k) for k in ("frames", "payload_seconds", "busy_seconds")
+                              if hasattr(self.transport, k)},
+                "active": len(self.receiver.active),
+            }
+
+
+# prefill -----------------------------------------------------------------------------------------------
+
+

@@ -1,0 +1,339 @@
+"""PrefillEngine: the writing role wired to the control plane and a sender transport."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.layout import KVLayout
+from ..core.lifecycle import SenderState
+from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..transport.faults import FaultInjector
+from ..transport.tcp import TcpLink
+from ..wire import messages as m
+from .base import EngineBase, _Worker
+from .config import EngineConfig
+from .sender import Sender, SendRequest
+
+log = logging.getLogger("kvxfer.engine")
+
+@dataclass
+class _Peer:
+    engine: str
+    control: str
+    session: bytes
+    data_addr: str
+    link: TcpLink | None = None
+    epoch: int = 0
+    last_seen: float = 0.0
+    alive: bool = True
+    reconnect_at: float | None = None
+
+
+class PrefillEngine(EngineBase):
+    """The writing role: admits prompts, holds source pages, writes them into decode's pages."""
+
+    role = "prefill"
+
+    def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
+        super().__init__(layout, config, faults=faults)
+        self._checksummer = _Worker(f"kvxfer-{self.role}-checksum")
+        self.sender = Sender(
+            self.pool,
+            max_context=config.max_context,
+            checksum=config.checksum,
+            meta_timeout=config.meta_timeout,
+            send=self._send_to_peer,
+            link_for=self._link_for,
+            lock=self.lock,
+            unsafe_legacy=config.unsafe_legacy,
+            defer=self._checksummer.submit,
+            observer=self._observe,
+            max_pending_meta=config.max_pending_meta,
+        )
+        self.peers: dict[str, _Peer] = {}
+        self.verbs_device: Any = None
+        if config.transport == "verbs":
+            from ..transport.verbs import VerbsDevice
+
+            try:
+                self.verbs_device = VerbsDevice(config.verbs_options(), layout, remote_write=False)
+            except Exception:
+                self.control.close()
+                self._checksummer.close()
+                raise
+        self._start()
+
+    # peering ---------------------------------------------------------------------------------------
+    def _dispatch(self, identity: str, msg: m.Message) -> None:
+        if isinstance(msg, m.Hello):
+            self._on_hello(identity, msg)
+            return
+        peer = self.peers.get(identity)
+        if peer is None:
+            raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
+        if isinstance(msg, m.VerbsInfo):
+            self._open_verbs_link(peer, msg)
+        elif isinstance(msg, m.Meta):
+            self.sender.on_meta(identity, msg)
+        elif isinstance(msg, m.Abort):
+            if self.faults is not None and self.faults.config.ignore_aborts:
+                self.faults.counts["ignored_abort"] += 1
+                return
+            self.sender.on_abort(identity, msg)
+        elif isinstance(msg, m.Result):
+            self.sender.on_result(identity, msg)
+        elif isinstance(msg, m.Reject):
+            self.sender.on_reject(identity, msg)
+        elif isinstance(msg, m.Fenced):
+            self._on_fenced(peer, msg)
+        elif isinstance(msg, m.Heartbeat):
+            return
+        elif isinstance(msg, m.Error):
+            self.counters["peer_errors"] += 1
+            log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
+        else:
+            raise ProtocolError(f"{msg.TYPE} is not a message a prefill engine accepts")
+
+    def _on_hello(self, identity: str, msg: m.Hello) -> None:
+        problem = ""
+        if msg.engine != identity:
+            problem = f"HELLO names engine {msg.engine!r} but came from {identity!r}"
+        elif msg.role != "decode":
+            problem = f"HELLO from a {msg.role!r} engine; only decode engines peer with prefill"
+        elif msg.transport != self.config.transport:
+            problem = f"transport {msg.transport!r} != this engine's {self.config.transport!r}"
+        elif msg.checksum != self.config.checksum:
+            problem = f"checksum {msg.checksum!r} != this engine's {self.config.checksum!r}"
+        else:
+            try:
+                self.layout.check_compatible({"page_size": msg.page_size, "item_lens": msg.item_lens},
+                                             peer_name=identity)
+            except ConfigError as exc:
+                problem = str(exc)
+        ack = m.HelloAck(
+            engine=self.engine_id, role="prefill", session=msg.session, ok=not problem, error=problem,
+            page_size=self.layout.page_size, num_pages=self.layout.num_pages,
+            item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
+            max_context=self.config.max_context,
+        )
+        self.control.send(msg.reply_to, ack)
+        if problem:
+            log.warning("%s: refused peering with %s: %s", self.engine_id, identity, problem)
+            return
+        with self.lock:
+            old = self.peers.get(identity)
+            peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, data_addr=msg.data_addr,
+                         epoch=old.epoch if old else 0, last_seen=time.monotonic())
+            self.peers[identity] = peer
+        if old is not None and old.link is not None:
+            old.link.close(flush=False)
+        if self.config.transport == "tcp":
+            self._open_link(peer)
+
+    def _open_verbs_link(self, peer: _Peer, info: m.VerbsInfo) -> None:
+        """The decode offered a queue pair: connect ours to it and answer VERBS_CONNECT."""
+        from ..transport.verbs import VerbsLink
+
+        if self.config.transport != "verbs":
+            raise PeerError("VERBS_INFO to an engine that does not run the verbs transport")
+        with self.lock:
+            old = peer.link
+            if old is not None and old.epoch >= info.epoch:
+                raise PeerError(f"VERBS_INFO epoch {info.epoch} is not after {old.epoch}")
+            peer.link = None
+        if old is not None:
+            self.sender.on_connection_closed(old, "replaced by a new queue pair")
+            if self.faults is not None and self.faults.config.keep_fenced_links:
+                self.faults.stale_links.append(old)
+            else:
+                old.close(flush=False)
+        link = VerbsLink(self.layout, self.verbs_device, info, engine=self.engine_id, session=peer.session,
+                         send_control=lambda msg, name=peer.engine: self._send_to_peer(name, msg),
+                         on_closed=self._on_link_closed, faults=self.faults)
+        with self.lock:
+            peer.link = link
+            peer.epoch = info.epoch
+            peer.alive = True
+            self.sender.changed.notify_all()
+        self._send_to_peer(peer.engine, link.connect_message)
+
+    def _open_link(self, peer: _Peer) -> None:
+        peer.epoch += 1
+        connect = m.Connect(engine=self.engine_id, session=peer.session, epoch=peer.epoch)
+        try:
+            link = TcpLink(self.layout, peer.data_addr, connect=connect, on_closed=self._on_link_closed,
+                           faults=self.faults, checksum=self.config.checksum,
+                           staging=self.config.extra.get("tcp_staging"))
+        except TransportError as exc:
+            log.warning("%s: %s", self.engine_id, exc)
+            return
+        with self.lock:
+            peer.link = link
+            peer.alive = True
+            self.sender.changed.notify_all()
+
+    def _on_link_closed(self, link: TcpLink, reason: str) -> None:
+        self.counters["connections_lost"] += 1
+        log.info("%s: data connection %s closed: %s", self.engine_id, link.conn_id, reason)
+        with self.lock:
+            for peer in self.peers.values():
+                if peer.link is link:
+                    peer.link = None
+                    if not self._closed and self.config.transport == "tcp":
+                        peer.reconnect_at = time.monotonic() + 0.05
+            self.sender.on_connection_closed(link, reason)
+
+    def _on_fenced(self, peer: _Peer, msg: m.Fenced) -> None:
+        """The decode fenced our connection of epoch ``msg.epoch``: settle, then reconnect."""
+        self._event("fenced_by_peer", peer=peer.engine, epoch=msg.epoch, reason=msg.reason[:500])
+        with self.lock:
+            link = peer.link
+            if link is not None and link.epoch == msg.epoch:
+                peer.link = None
+                self.sender.on_connection_closed(link, f"fenced by decode: {msg.reason}")
+                if self.faults is not None and self.faults.config.keep_fenced_links:
+                    self.faults.stale_links.append(link)
+                    link = None
+            else:
+                link = None
+            if peer.link is None and self.config.transport == "tcp":
+                peer.reconnect_at = time.monotonic()
+        if link is not None:
+            link.close(flush=False)
+
+    def _link_for(self, peer: str) -> Any:
+        info = self.peers.get(peer)
+        return info.link if info is not None and info.link is not None and info.link.alive else None
+
+    def _tick(self) -> None:
+        self.sender.tick()
+        now = time.monotonic()
+        for peer in list(self.peers.values()):
+            if peer.reconnect_at is not None and now >= peer.reconnect_at and peer.alive and peer.link is None:
+                peer.reconnect_at = None
+                self._open_link(peer)
+                if peer.link is None:
+                    peer.reconnect_at = now + 1.0
+        dead = []
+        with self.lock:
+            for peer in self.peers.values():
+                if peer.alive and now - peer.last_seen > self.config.peer_timeout:
+                    peer.alive = False
+                    dead.append(peer)
+        for peer in dead:
+            self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
+            log.warning("%s: peer %s silent: dead", self.engine_id, peer.engine)
+            if peer.link is not None:
+                peer.link.close(flush=False)
+
+    def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        for name in list(self.peers):
+            self._send_to_peer(name, m.Heartbeat(engine=self.engine_id, seq=self._hb_seq))
+
+    def _note_alive(self, identity: str) -> None:
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+
+    def _peer_address(self, identity: str) -> str | None:
+        peer = self.peers.get(identity)
+        return peer.control if peer is not None else None
+
+    def _close_transport(self) -> None:
+        for peer in list(self.peers.values()):
+            if peer.link is not None:
+                peer.link.close(flush=True)
+        if self.faults is not None:
+            for link in self.faults.stale_links:
+                link.close(flush=False)
+            self.faults.stale_links.clear()
+        if self.verbs_device is not None:
+            self.verbs_device.close()
+        self._checksummer.close()
+
+    # the API ---------------------------------------------------------------------------------------
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
+        """Admit a prompt or raise :class:`AdmissionRejected` (nothing held, no byte moves).
+
+        ``peer`` (a decode engine id), when the caller knows it, binds the request to that decode:
+        no other peer can give it a destination or reject it."""
+        self._check_open()
+        return self.sender.admit(rid, tokens, external_pages=external_pages, peer=peer)
+
+    def wait_ready(self, rid: Any, *, timeout: float = 30.0) -> SendRequest:
+        """Block until decode's destination pages are known (or the request ended)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                req = self.sender._lookup(rid)
+                if req.state is not SenderState.ADMITTED:
+                    if req.fsm.terminal and req.error is not None:
+                        raise req.error
+                    return req
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferFailed(f"no destination after {timeout:g} s", reason="wait_timeout", rid=rid)
+                self.sender.changed.wait(min(left, 0.1))
+
+    def source_pages(self, rid: Any) -> np.ndarray:
+        return self.sender.source_pages(rid)
+
+    def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None, aux: bytes = b"",
+             ready: Any = None) -> SendRequest:
+        """Post the next chunk (default: everything left); the final chunk posts DONE behind it.
+        ``ready`` (e.g. a CUDA event recorded after the kernel that writes the source pages) is
+        waited on before the transport reads them."""
+        self._check_open()
+        return self.sender.send(rid, src_pages, count=count, aux=aux, ready=ready)
+
+    def refuse(self, rid: Any, reason: str = "aborted", detail: str = "the prefill gave up on the request") -> None:
+        """Give up on a request not admitted here: a decode's destination for it gets REJECT at once."""
+        self._check_open()
+        self.sender.refuse(rid, reason, detail)
+
+    def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
+        self._check_open()
+        return self.sender.abort(rid, reason)
+
+    def status(self, rid: Any) -> SendRequest:
+        with self.lock:
+            return self.sender._lookup(rid)
+
+    def wait(self, rid: Any, *, timeout: float = 30.0) -> SendRequest:
+        """Block until the request is terminal and quiescent (its source memory reusable)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                req = self.sender._lookup(rid)
+                if self.sender.settled(req):
+                    return req
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferFailed(f"still {req.state.value} after {timeout:g} s", reason="wait_timeout",
+                                         rid=rid, generation=req.gen or None)
+                self.sender.changed.wait(min(left, 0.1))
+
+    def check_accounting(self) -> dict[str, int]:
+        return self.sender.check_accounting()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            links = [p.link for p in self.peers.values() if p.link is not None]
+            return {
+                "engine": self.engine_id,
+                "role": self.role,
+                "pages": self.pool.ledger.counts(),
+                "pool_total": self.layout.num_pages,
+                "pool_free": self.pool.ledger.free_count,
+                "requests": dict(self.sender.stats),
+                "bytes_sent": sum(link.bytes_sent for link in links),
+                "engine_counters": dict(self.counters),
+                "active": len(self.sender.active),
+                "faults": dict(self.faults.counts) if self.faults is not None else {},
+            }

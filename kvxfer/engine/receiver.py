@@ -1,0 +1,699 @@
+"""The receiving (decode) role: admission, reservation, verified completion, deferred release.
+
+:class:`Receiver` is the decode engine's logic without any I/O: the engine feeds it calls and
+messages, it answers through two callbacks (``send`` a control message to a peer, ``request_fence``
+of a data connection). It owns the request table, the page pool, the write guard and the peers'
+advertised capacities.
+
+Invariants (checked by :meth:`Receiver.check_accounting`):
+
+* a page is held (not FREE) iff exactly one active request holds it, with the page's generation;
+* ``RESERVED`` requests have an open write window; no other request does;
+* pages leave ``QUARANTINED`` only on a drain proof for *that* generation (DRAIN_ACK, DONE, REJECT or
+  ABORT arriving on the ordered data path behind the writer's writes) or after the writer's
+  connection was fenced; a timeout only ever leads to a fence;
+* a request is ``REJECTED`` before anything is reserved, or (writer rejected it) before any write.
+
+All methods must be called with :attr:`lock` held or take it themselves; none blocks on I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core.arguments import check_peer, check_rid, check_tokens, page_array
+from ..core.checksum import ChecksumAlgo, checksum_pages
+from ..core.ledger import PageState
+from ..core.lifecycle import Lifecycle, ReceiverState
+from ..core.pool import PagePool
+from ..core.tags import MAX_SLOTS
+from ..core.verify import Claim, verify_completion
+from ..core.writeguard import Window, WriteGuard
+from ..errors import (
+    AdmissionRejected,
+    DuplicateRequest,
+    InvalidArgument,
+    KvxferError,
+    NotReadable,
+    OwnershipError,
+    PeerError,
+    PoolExhausted,
+    StaleGeneration,
+    TransferAborted,
+    TransferFailed,
+    UnknownRequest,
+    VerificationFailed,
+)
+from ..wire import messages as m
+
+log = logging.getLogger("kvxfer.receiver")
+R = ReceiverState
+HISTORY_LIMIT = 65536
+
+
+@dataclass
+class PeerInfo:
+    """What the receiver knows of one writer (from its HELLO_ACK) and its data connection."""
+
+    engine: str
+    control: str
+    session: bytes
+    pool_tokens: int = 0
+    max_context: int = 0
+    page_size: int = 0
+    ready: bool = False
+    conn: Any = None
+    epoch: int = 0
+    last_seen: float = 0.0
+    fenced_epochs: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ReceiveRequest:
+    rid: Any
+    tokens: int
+    peer: str
+    fsm: Lifecycle
+    gen: int = 0
+    slot: int = -1
+    pages: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    conn: Any = None
+    deadline: float = float("inf")
+    failure: bool = False  # quarantined because of a failure, not a caller's abort
+    abort_after_verify: str | None = None  # abort() arrived while the checksum was being verified
+    leases: int = 0  # open read leases and live page views (kvxfer.engine.reads); pages held while > 0
+    release_as: ReceiverState | None = None  # RELEASING: the terminal state once the leases end
+    error: KvxferError | None = None
+    aux: bytes = b""
+    created: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    @property
+    def state(self) -> ReceiverState:
+        return self.fsm.state
+
+
+class Receiver:
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        max_context: int,
+        checksum: ChecksumAlgo | str = ChecksumAlgo.ADLER32,
+        max_inflight: int = 4096,
+        transfer_timeout: float = 60.0,
+        drain_timeout: float = 10.0,
+        send: Callable[[str, m.Message], None] | None = None,
+        request_fence: Callable[[Any, str], None] | None = None,
+        lock: threading.RLock | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        unsafe_legacy: bool = False,
+        defer: Callable[[Callable[[], None]], None] | None = None,
+        observer: Callable[[Lifecycle, Any, str], None] | None = None,
+    ) -> None:
+        if not 0 < max_inflight <= MAX_SLOTS:
+            raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
+        self.pool = pool
+        self.layout = pool.layout
+        self.ledger = pool.ledger
+        self.max_context = int(max_context)
+        self.checksum = ChecksumAlgo.parse(checksum)
+        self.transfer_timeout = transfer_timeout
+        self.drain_timeout = drain_timeout
+        self.lock = lock or threading.RLock()
+        self.guard = WriteGuard(self.layout, self.ledger, self.lock)
+        self._send = send or (lambda peer, msg: None)
+        self._request_fence = request_fence or (lambda conn, reason: None)
+        self._clock = clock
+        self.unsafe_legacy = unsafe_legacy
+        self._defer = defer or (lambda fn: fn())
+        self.peers: dict[str, PeerInfo] = {}
+        self.active: dict[Any, ReceiveRequest] = {}
+        self.by_gen: OrderedDict[int, ReceiveRequest] = OrderedDict()
+        self.recent: OrderedDict[Any, ReceiveRequest] = OrderedDict()
+        self._ended_leases: deque[ReceiveRequest] = deque()  # appended by finalizers, any thread
+        self._free_slots = list(range(max_inflight - 1, -1, -1))
+        self._next_gen = 1
+        self.stats: Counter[str] = Counter()
+        self.observer = observer
+        self.changed = threading.Condition(self.lock)
+
+    # peers --------------------------------------------------------------------------------------
+    def add_peer(self, info: PeerInfo) -> None:
+        with self.lock:
+            self.peers[info.engine] = info
+
+    def default_peer(self) -> str:
+        ready = [p.engine for p in self.peers.values() if p.ready]
+        if len(ready) != 1:
+            raise PeerError(
+                f"no peer named and {len(ready)} ready peers ({', '.join(ready) or 'none'}); name one"
+            )
+        return ready[0]
+
+    # admission ----------------------------------------------------------------------------------
+    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
+        """Admit a request: check it can ever fit, reserve pages, open its window, send META.
+
+        Raises :class:`InvalidArgument` (a request id, token count, peer or page list the API cannot
+        take), :class:`AdmissionRejected` (nothing reserved, writer told), :class:`PoolExhausted`
+        (retry later), :class:`DuplicateRequest` or :class:`PeerError`. On any error the ledger,
+        the windows and the request table are as they were."""
+        rid = check_rid(rid)
+        tokens = check_tokens(tokens, rid)
+        peer = check_peer(peer, rid)
+        chosen = None if pages is None else page_array(pages, num_pages=self.layout.num_pages, rid=rid)
+        with self.lock:
+            if rid in self.active:
+                live = self.active[rid]
+                raise DuplicateRequest(
+                    f"already active in state {live.state.value}", rid=rid, generation=live.gen
+                )
+            req = ReceiveRequest(rid=rid, tokens=tokens, peer=peer or "",
+                                 fsm=Lifecycle("receiver", rid, observer=self.observer))
+            rejection = self._admission_problem(req, None)
+            if rejection is not None:
+                raise self._reject(req, *rejection, tell_peer=peer is not None)
+            peer_name = peer if peer is not None else self.default_peer()
+            req.peer = peer_name
+            info = self.peers.get(peer_name)
+            if info is None or not info.ready or info.conn is None:
+                raise PeerError(f"peer {peer_name!r} is not connected", rid=rid)
+            rejection = self._admission_problem(req, info)
+            if rejection is not None:
+                raise self._reject(req, *rejection, tell_peer=True)
+            needed = self.layout.pages_for_tokens(req.tokens)
+            if chosen is None and needed > self.ledger.free_count:
+                raise PoolExhausted(
+                    f"needs {needed} pages, {self.ledger.free_count} of {self.layout.num_pages} free",
+                    rid=rid,
+                )
+            if chosen is not None and chosen.size != needed:
+                raise InvalidArgument(f"{chosen.size} pages given for {req.tokens} tokens; {needed} needed",
+                                      rid=rid)
+            if not self._free_slots:
+                raise PoolExhausted("no free request slot", rid=rid)
+            gen = self._next_gen
+            held = self.ledger.allocate(needed, gen) if chosen is None else self.ledger.adopt(chosen, gen)
+            self._next_gen += 1
+            req.gen = gen
+            req.fsm.generation = gen
+            req.slot = self._free_slots.pop()
+            req.pages = held
+            req.conn = info.conn
+            req.deadline = self._clock() + self.transfer_timeout
+            meta = m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held)
+            try:
+                self.guard.open(Window(rid=rid, gen=gen, slot=req.slot, conn=info.conn, pages=held))
+                req.fsm.to(R.RESERVED, f"{len(held)} pages reserved")
+                self.active[rid] = req
+                self._remember(req)
+                self._send(peer_name, meta)
+            except BaseException:
+                self._undo_admission(req)
+                raise
+            self.stats["admitted"] += 1
+            return req
+
+    def _undo_admission(self, req: ReceiveRequest) -> None:
+        """Admission failed after the reservation (nothing was sent): put everything back."""
+        self.guard.forget(req.gen)
+        self.ledger.release(req.pages, req.gen, allowed=(PageState.RESERVED,))
+        self._free_slots.append(req.slot)
+        req.slot = -1
+        if self.active.get(req.rid) is req:
+            del self.active[req.rid]
+        self.by_gen.pop(req.gen, None)
+        if self.recent.get(req.rid) is req:
+            del self.recent[req.rid]
+        log.error("request %r generation %d: admission undone after an unexpected error", req.rid, req.gen)
+
+    def _admission_problem(self, req: ReceiveRequest, info: PeerInfo | None) -> tuple[str, str] | None:
+        """Why the request can never be served (local limits, or with ``info`` the writer's), or None."""
+        tokens = req.tokens
+        if info is None:
+            if tokens <= 0:
+                return "empty", f"prompt of {tokens} tokens"
+            if self.unsafe_legacy:
+                return None
+            if tokens > self.max_context:
+                return "exceeds_context", f"prompt of {tokens:,} tokens exceeds the context of {self.max_context:,}"
+            pool_tokens = self.layout.pool_tokens
+            if tokens > pool_tokens:
+                return (
+                    "exceeds_pool",
+                    f"prompt of {tokens:,} tokens can never fit this decode pool of {pool_tokens:,} tokens",
+                )
+            return None
+        if self.unsafe_legacy:
+            return None
+        if info.max_context and tokens > info.max_context:
+            return (
+                "exceeds_peer_context",
+                f"prompt of {tokens:,} tokens exceeds prefill {info.engine}'s context of {info.max_context:,}",
+            )
+        if info.pool_tokens and tokens > info.pool_tokens:
+            return (
+                "exceeds_peer_pool",
+                f"prompt of {tokens:,} tokens can never fit prefill {info.engine}'s pool of "
+                f"{info.pool_tokens:,} tokens",
+            )
+        return None
+
+    def _reject(self, req: ReceiveRequest, reason: str, text: str, *, tell_peer: bool) -> AdmissionRejected:
+        if not req.gen:
+            # A generation names this attempt (nothing is reserved under it), so the writer can tell
+            # this REJECT from one of an earlier attempt under the same request id.
+            req.gen = self._next_gen
+            req.fsm.generation = req.gen
+            self._next_gen += 1
+        req.fsm.to(R.REJECTED, reason)
+        req.error = AdmissionRejected(text, reason=reason, rid=req.rid, generation=req.gen or None)
+        req.finished = self._clock()
+        self.stats["rejected"] += 1
+        self.stats[f"rejected_{reason}"] += 1
+        self._remember(req)
+        log.info("rejected at admission: %s", req.error)
+        if tell_peer and req.peer in self.peers:
+            self._send(req.peer, m.Reject(rid=req.rid, gen=req.gen, reason=reason, detail=text))
+        self.changed.notify_all()
+        return req.error
+
+    # messages from the ordered data path ------------------------------------------------------------
+    def on_ordered(self, conn: Any, msg: m.Message) -> None:
+        """A DONE / DRAIN_ACK / REJECT / ABORT that arrived behind the writer's writes on ``conn``."""
+        with self.lock:
+            req = self.by_gen.get(getattr(msg, "gen", 0))
+            if req is None or req.rid != msg.rid:
+                self._complain(conn, msg, UnknownRequest(
+                    f"{msg.TYPE} names no request this engine admitted", rid=msg.rid, generation=msg.gen
+                ))
+                return
+            if req.conn != conn:
+                self._complain(conn, msg, StaleGeneration(
+                    f"{msg.TYPE} arrived on connection {conn}, the request lives on {req.conn}",
+                    rid=req.rid, generation=req.gen,
+                ))
+                return
+            if isinstance(msg, m.Done):
+                self._on_done(req, msg)
+            elif isinstance(msg, m.DrainAck):
+                self._on_drained(req, "drain acknowledged", ack=True)
+            elif isinstance(msg, m.Reject):
+                self._on_writer_gave_up(req, msg.reason, msg.detail, rejected=True)
+            elif isinstance(msg, m.Abort):
+                self._on_writer_gave_up(req, msg.reason, msg.detail, rejected=False)
+            else:
+                self._complain(conn, msg, UnknownRequest(f"{msg.TYPE} is not an ordered message"))
+
+    def _complain(self, conn: Any, msg: m.Message, error: KvxferError) -> None:
+        self.stats[f"refused_{error.code}"] += 1
+        self.stats["stale_messages"] += 1
+        log.warning("ignored %s: %s", msg.TYPE, error)
+        peer = conn[0] if isinstance(conn, tuple) else None
+        if peer in self.peers:
+            self._send(
+                peer,
+                m.Error(about=msg.TYPE, code=error.code, detail=str(error),
+                        rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0)),
+            )
+
+    def _on_done(self, req: ReceiveRequest, msg: m.Done) -> None:
+        if req.state is R.QUARANTINED:
+            # The writer finished before it saw our ABORT; DONE is ordered behind its writes.
+            self._on_drained(req, "writer completed before the abort reached it", ack=False)
+            return
+        if req.state is not R.RESERVED:
+            self._complain(req.conn, msg, StaleGeneration(
+                f"DONE for a request in state {req.state.value}", rid=req.rid, generation=req.gen
+            ))
+            return
+        log_problem = self._record_write_log(req, msg)
+        self.guard.close(req.gen)
+        req.fsm.to(R.VERIFYING, "DONE received")
+        claim = Claim(bytes=msg.bytes, pages=msg.pages, checksum=msg.checksum, algo=msg.algo)
+        req.aux = msg.aux
+        # The window is closed and DONE came behind every write, so the pages cannot change: the
+        # checksum pass runs outside the lock, on the verifier (not the thread that lands data).
+        self._defer(lambda: self._verify(req, claim, log_problem))
+
+    def _verify(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None) -> None:
+        actual = None
+        if log_problem is None and not self.unsafe_legacy and claim.algo == self.checksum.value:
+            actual = self.guard.landed_checksum(req.pages, self.checksum)
+            if actual is None:
+                actual = checksum_pages(self.layout, req.pages, self.checksum)
+        with self.lock:
+            self._conclude(req, claim, log_problem, actual)
+
+    def _conclude(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None,
+                  actual: int | None) -> None:
+        try:
+            if log_problem is not None:
+                raise log_problem
+            if not self.unsafe_legacy:
+                verify_completion(
+                    self.pool, self.guard, rid=req.rid, gen=req.gen, pages=req.pages,
+                    claim=claim, algo=self.checksum, actual_checksum=actual,
+                )
+        except VerificationFailed as exc:
+            self.stats["verification_failed"] += 1
+            self.stats[f"verification_failed_{exc.check}"] += 1
+            log.warning("%s", exc)
+            req.error = exc
+            req.fsm.to(R.FAILED, exc.check)
+            self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+            self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=False, reason=exc.check, detail=str(exc)))
+            return
+        if self.unsafe_legacy:
+            # Legacy behaviour: readable whatever landed (the incident's decode side).
+            self.ledger.state[req.pages] = PageState.WRITTEN
+        self.ledger.move(req.pages, req.gen, PageState.READABLE, allowed=(PageState.WRITTEN,))
+        req.fsm.to(R.READABLE, "verified")
+        self.stats["completed"] += 1
+        self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=True, reason="", detail=""))
+        if req.abort_after_verify is not None:
+            reason = req.abort_after_verify
+            req.error = TransferAborted(reason, reason="aborted", rid=req.rid, generation=req.gen)
+            req.fsm.to(R.ABORTED, reason)
+            self.stats["aborted"] += 1
+            self._finish(req, release_from=(PageState.READABLE,))
+        self.changed.notify_all()
+
+    def _record_write_log(self, req: ReceiveRequest, msg: m.Done) -> VerificationFailed | None:
+        """Verbs: check DONE's write log against the window and record it, exactly as tcp records writes."""
+        if not msg.runs:
+            return None
+        from ..errors import ProtocolError, WriteRefused
+        from ..transport.verbs import parse_write_log
+
+        try:
+            runs = parse_write_log(msg.runs)
+            window, counts = self.guard.check(req.conn, req.slot, req.gen, runs)
+        except (ProtocolError, WriteRefused) as exc:
+            return VerificationFailed(f"transfer not verified: write log: {exc.detail}", check="write_log",
+                                      rid=req.rid, generation=req.gen, pages=getattr(exc, "pages", None))
+        self.guard.record(window, runs, counts)
+        return None
+
+    def _on_drained(self, req: ReceiveRequest, why: str, *, ack: bool) -> None:
+        if req.state is not R.QUARANTINED:
+            self.stats["unexpected_drain_ack"] += 1
+            log.warning(
+                "request %r generation %d: drain proof (%s) in state %s ignored",
+                req.rid, req.gen, why, req.state.value,
+            )
+            return
+        end = R.FAILED if req.failure else R.ABORTED
+        req.fsm.to(end, why)
+        self._finish(req, release_from=(PageState.QUARANTINED,))
+        self.stats["drained"] += 1
+
+    def _on_writer_gave_up(self, req: ReceiveRequest, reason: str, detail: str, *, rejected: bool) -> None:
+        if req.state is R.QUARANTINED:
+            self._on_drained(req, f"writer {'rejected' if rejected else 'aborted'}: {reason}", ack=False)
+            return
+        if req.state is not R.RESERVED:
+            self._complain(req.conn, m.Abort(rid=req.rid, gen=req.gen, reason=reason, detail=detail),
+                           StaleGeneration(f"writer gave up on a request in state {req.state.value}",
+                                           rid=req.rid, generation=req.gen))
+            return
+        self.guard.close(req.gen)
+        if rejected:
+            req.error = AdmissionRejected(f"prefill rejected it: {detail}", reason=reason,
+                                          rid=req.rid, generation=req.gen)
+            req.fsm.to(R.REJECTED, reason)
+            self.stats["rejected"] += 1
+            self.stats[f"rejected_{reason}"] += 1
+        else:
+            req.error = TransferAborted(f"prefill aborted it: {detail}", reason=reason,
+                                        rid=req.rid, generation=req.gen)
+            req.fsm.to(R.ABORTED, reason)
+            self.stats["aborted"] += 1
+        self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+
+    # local calls -------------------------------------------------------------------------------
+    def abort(self, rid: Any, reason: str = "aborted by caller", *, failure: bool = False,
+              generation: int | None = None) -> ReceiveRequest:
+        """Abort a request. Pages with writes possibly in flight are quarantined (never freed here)."""
+        with self.lock:
+            self.drain_ended_leases()
+            req = self._lookup(rid, generation)
+            if req.fsm.terminal or req.state in (R.QUARANTINED, R.RELEASING):
+                return req
+            if req.state is R.VERIFYING:
+                # DONE already proved the drain; the verifier frees the pages when it concludes.
+                req.abort_after_verify = reason
+                return req
+            if req.state is R.READABLE:
+                # DONE was ordered behind every write: nothing can still land. Open read leases
+                # keep the pages until they end.
+                req.error = TransferAborted(reason, reason="aborted", rid=rid, generation=req.gen)
+                self.stats["aborted"] += 1
+                self._end_reading(req, R.ABORTED, reason)
+                return req
+            self.guard.close(req.gen)
+            cls = TransferFailed if failure else TransferAborted
+            req.error = cls(reason, reason="timeout" if failure else "aborted", rid=rid, generation=req.gen)
+            req.failure = failure
+            if self.unsafe_legacy:
+                # Legacy behaviour: free at once, in-flight writes or not (the use-after-free).
+                req.fsm.to(R.FAILED if failure else R.ABORTED, reason)
+                self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+                self._send(req.peer, m.Abort(rid=rid, gen=req.gen, reason="aborted", detail=reason))
+                return req
+            self.ledger.move(req.pages, req.gen, PageState.QUARANTINED,
+                             allowed=(PageState.RESERVED, PageState.WRITTEN))
+            req.fsm.to(R.QUARANTINED, reason)
+            req.deadline = self._clock() + self.drain_timeout
+            self.stats["quarantined"] += 1
+            self.stats["aborted" if not failure else "timed_out"] += 1
+            self._send(req.peer, m.Abort(rid=rid, gen=req.gen, reason="timeout" if failure else "aborted",
+                                         detail=reason))
+            self.changed.notify_all()
+            return req
+
+    def release(self, rid: Any, *, generation: int | None = None) -> None:
+        """The consumer is done with a readable request: scrub (per policy) and free its pages, now
+        or, while read leases are open, when the last one ends (never blocks)."""
+        with self.lock:
+            self.drain_ended_leases()  # a read dropped just before this call has ended
+            req = self._lookup(rid, generation)
+            if req.state is not R.READABLE:
+                raise NotReadable(f"cannot release in state {req.state.value}", rid=rid, generation=req.gen)
+            self.stats["released"] += 1
+            self._end_reading(req, R.RELEASED, "consumer released")
+
+    def _end_reading(self, req: ReceiveRequest, end: ReceiverState, reason: str) -> None:
+        """READABLE -> ``end`` (pages freed), or -> RELEASING while read leases are open."""
+        if req.leases:
+            req.release_as = end
+            req.fsm.to(R.RELEASING, f"{reason}; {req.leases} read lease(s) open")
+            self.stats["release_deferred"] += 1
+            self.changed.notify_all()
+            return
+        req.fsm.to(end, reason)
+        self._finish(req, release_from=(PageState.READABLE,))
+
+    # read leases (kvxfer.engine.reads) -------------------------------------------------------------------
+    def open_lease(self, rid: Any, *, generation: int | None = None) -> ReceiveRequest:
+        """The page-tag check, then one more lease: every page must be READABLE and stamped with the
+        request's generation; the pages are held until :meth:`end_lease`."""
+        with self.lock:
+            req = self._lookup(rid, generation)
+            if req.state is not R.READABLE:
+                why = f": {req.error}" if req.error is not None else ""
+                raise NotReadable(f"not readable in state {req.state.value}{why}", rid=rid, generation=req.gen)
+            self.check_ownership(req)
+            req.leases += 1
+            return req
+
+    def hold_lease(self, req: ReceiveRequest) -> None:
+        """One more hold on a request whose lease is open (a page view, an access in progress)."""
+        with self.lock:
+            if req.state not in (R.READABLE, R.RELEASING) or req.leases <= 0:
+                raise NotReadable(f"no open lease in state {req.state.value}", rid=req.rid, generation=req.gen)
+            req.leases += 1
+
+    def end_lease(self, req: ReceiveRequest) -> None:
+        """A hold ended; the last one completes a deferred release or abort."""
+        with self.lock:
+            if req.leases <= 0:
+                log.error("request %r generation %d: lease ended twice", req.rid, req.gen)
+                return
+            req.leases -= 1
+            if req.leases == 0 and req.state is R.RELEASING:
+                end = req.release_as or R.RELEASED
+                req.fsm.to(end, "last read lease ended")
+                self._finish(req, release_from=(PageState.READABLE,))
+
+    def end_lease_later(self, req: ReceiveRequest) -> None:
+        """:meth:`end_lease` from a finalizer: queued (no lock taken here), done by :meth:`tick`."""
+        self._ended_leases.append(req)
+
+    def drain_ended_leases(self) -> None:
+        """End the holds whose views or leases were garbage-collected since the last call."""
+        with self.lock:
+            while self._ended_leases:
+                self.end_lease(self._ended_leases.popleft())
+
+    def check_ownership(self, req: ReceiveRequest) -> None:
+        ok = self.ledger.owned_by(req.pages, req.gen, (PageState.READABLE,))
+        if not ok.all():
+            bad = req.pages[~ok]
+            first = int(bad[0])
+            raise OwnershipError(
+                f"page {first} is {PageState(int(self.ledger.state[first])).name} of generation "
+                f"{int(self.ledger.generation[first])}, not READABLE of this request",
+                rid=req.rid, generation=req.gen, pages=bad,
+            )
+
+    def status(self, rid: Any) -> ReceiveRequest:
+        rid = check_rid(rid)
+        with self.lock:
+            req = self.active.get(rid) or self.recent.get(rid)
+            if req is None:
+                raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
+            return req
+
+    # connection events -------------------------------------------------------------------------
+    def on_connection_closed(self, conn: Any, reason: str) -> list[ReceiveRequest]:
+        """``conn`` is fenced or gone: nothing more can land from it. Settle its requests."""
+        with self.lock:
+            settled = []
+            for req in list(self.active.values()):
+                if req.conn != conn:
+                    continue
+                if req.state is R.RESERVED:
+                    self.guard.close(req.gen)
+                    req.error = TransferFailed(f"connection closed: {reason}", reason="connection",
+                                               rid=req.rid, generation=req.gen)
+                    req.fsm.to(R.FAILED, f"connection closed: {reason}")
+                    self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+                    self.stats["failed_connection"] += 1
+                    settled.append(req)
+                elif req.state is R.QUARANTINED:
+                    end = R.FAILED if req.failure else R.ABORTED
+                    req.fsm.to(end, f"fenced: {reason}")
+                    self._finish(req, release_from=(PageState.QUARANTINED,))
+                    self.stats["released_by_fence"] += 1
+                    settled.append(req)
+            for info in self.peers.values():
+                if info.conn == conn:
+                    info.conn = None
+            return settled
+
+    def tick(self) -> list[tuple[Any, str]]:
+        """Apply timeouts and end the leases whose views were collected. Returns connections to
+        fence (the caller fences outside the lock)."""
+        with self.lock:
+            self.drain_ended_leases()
+            now = self._clock()
+            to_fence: dict[Any, str] = {}
+            for req in list(self.active.values()):
+                if now < req.deadline:
+                    continue
+                if req.state is R.RESERVED:
+                    self.abort(req.rid, f"transfer timed out after {self.transfer_timeout:g} s",
+                               failure=True, generation=req.gen)
+                elif req.state is R.QUARANTINED and req.conn is not None:
+                    to_fence.setdefault(
+                        req.conn,
+                        f"no drain proof for request {req.rid!r} generation {req.gen} within "
+                        f"{self.drain_timeout:g} s",
+                    )
+            return list(to_fence.items())
+
+    # bookkeeping ---------------------------------------------------------------------------------
+    def _lookup(self, rid: Any, generation: int | None) -> ReceiveRequest:
+        rid = check_rid(rid)
+        req = self.active.get(rid) or self.recent.get(rid)
+        if req is None:
+            raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
+        if generation is not None and generation != req.gen:
+            raise StaleGeneration(f"current generation is {req.gen}", rid=rid, generation=generation)
+        return req
+
+    def _finish(self, req: ReceiveRequest, *, release_from: tuple[PageState, ...]) -> None:
+        """A request reached a terminal state: free its pages (proof in hand), slot and entry."""
+        if req.pages.size:
+            self.pool.release(req.pages, req.gen, allowed=release_from)
+        self.guard.forget(req.gen)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+        req.finished = self._clock()
+        if self.active.get(req.rid) is req:
+            del self.active[req.rid]
+        self._remember(req)
+        self.changed.notify_all()
+
+    def _remember(self, req: ReceiveRequest) -> None:
+        if req.gen:
+            self.by_gen[req.gen] = req
+            self.by_gen.move_to_end(req.gen)
+            while len(self.by_gen) > HISTORY_LIMIT:
+                self.by_gen.popitem(last=False)
+        if req.fsm.terminal:
+            self.recent[req.rid] = req
+            self.recent.move_to_end(req.rid)
+            while len(self.recent) > HISTORY_LIMIT:
+                self.recent.popitem(last=False)
+
+    def check_accounting(self) -> dict[str, int]:
+        """The pool accounting invariant, including every active request's custody.
+
+        A consistent snapshot on a busy engine: every ledger, window and request change happens
+        under :attr:`lock`, which this holds throughout (data keeps moving into pages that were
+        checked before the snapshot; page states only change under the lock)."""
+        from ..errors import LedgerInvariantError
+
+        with self.lock:
+            self.drain_ended_leases()
+            counts = self.ledger.check_invariants()
+            held = np.zeros(self.layout.num_pages, dtype=np.int32)
+            expected_states = {
+                R.RESERVED: (PageState.RESERVED, PageState.WRITTEN),
+                R.VERIFYING: (PageState.RESERVED, PageState.WRITTEN),  # window closed, verdict pending
+                R.READABLE: (PageState.READABLE,),
+                R.RELEASING: (PageState.READABLE,),  # held for open read leases
+                R.QUARANTINED: (PageState.QUARANTINED,),
+            }
+            for req in self.active.values():
+                allowed = expected_states.get(req.state)
+                if allowed is None:
+                    raise LedgerInvariantError(
+                        f"active request in state {req.state.value}", rid=req.rid, generation=req.gen
+                    )
+                ok = self.ledger.owned_by(req.pages, req.gen, allowed)
+                if not ok.all():
+                    raise LedgerInvariantError(
+                        f"holds pages not in {'/'.join(s.name for s in allowed)} of its generation",
+                        rid=req.rid, generation=req.gen, pages=req.pages[~ok],
+                    )
+                if (req.leases > 0) != (req.state is R.RELEASING) and req.state is not R.READABLE:
+                    raise LedgerInvariantError(f"{req.leases} read holds in state {req.state.value}",
+                                               rid=req.rid, generation=req.gen)
+                np.add.at(held, req.pages, 1)
+                window = self.guard.window(req.gen)
+                if (req.state is R.RESERVED) != bool(window is not None and window.open):
+                    raise LedgerInvariantError(
+                        f"write window {'closed' if req.state is R.RESERVED else 'open'} in state "
+                        f"{req.state.value}", rid=req.rid, generation=req.gen,
+                    )
+            if (held > 1).any():
+                raise LedgerInvariantError("pages held by two requests", pages=np.flatnonzero(held > 1))
+            orphan = np.flatnonzero((held == 0) & (self.ledger.state != PageState.FREE))
+            if orphan.size:
+                raise LedgerInvariantError("held pages no active request owns", pages=orphan)
+            if len(self._free_slots) + len(self.active) != len(set(self._free_slots)) + len(self.active):
+                raise LedgerInvariantError("request slot handed out twice")
+            return counts

@@ -1,0 +1,781 @@
+"""The writing (prefill) role: admission, source pages, tagged writes, DONE, drain acknowledgements.
+
+:class:`Sender` is the prefill engine's logic without I/O. The engine feeds it calls, control
+messages from receivers and write completions from the transport; it answers through ``send``
+(control messages) and the peer's transport link (writes and ordered messages).
+
+Invariants:
+
+* a request is ``REJECTED`` before it holds a page, learns a destination or posts a write;
+* every posted write is counted (``posted``) and every completion, successful or not, is counted
+  (``completed``); a request is *quiescent* when the two are equal;
+* DRAIN_ACK (and a writer-side ABORT) is posted only when the request is quiescent, on the ordered
+  path behind its writes, so it proves that nothing more will land;
+* source pages return to the pool only when the request is terminal *and* quiescent, and
+  :meth:`Sender.poll`-style callers see a terminal state only then, since a transport may still be
+  reading source memory for a posted write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..core.arguments import check_aux, check_count, check_peer, check_rid, check_tokens, page_array
+from ..core.checksum import ChecksumAlgo, checksum_pages
+from ..core.ledger import PageState
+from ..core.lifecycle import Lifecycle, SenderState
+from ..core.pool import PagePool
+from ..core.runs import WriteBatch, build_batch
+from ..errors import (
+    AdmissionRejected,
+    DuplicateRequest,
+    InvalidArgument,
+    KvxferError,
+    PeerError,
+    PoolExhausted,
+    StaleGeneration,
+    TransferAborted,
+    TransferFailed,
+    TransportError,
+    UnknownRequest,
+)
+from ..wire import messages as m
+
+log = logging.getLogger("kvxfer.sender")
+S = SenderState
+HISTORY_LIMIT = 65536
+
+
+@dataclass
+class DoneBuilder:
+    """DONE for one request, built by the transport when it has sent everything before it."""
+
+    layout: Any
+    algo: ChecksumAlgo
+    rid: Any
+    gen: int
+    aux: bytes
+    src: np.ndarray
+    batches: list[WriteBatch]
+    write_log: bool
+
+    def checksum(self) -> int:
+        if self.algo is ChecksumAlgo.NONE:
+            return 0
+        def ready(batch: WriteBatch) -> bool:
+            if batch.sums_done:
+                return True
+            return batch.sums_ready is not None and batch.sums_ready.wait(60) and batch.item_sums is not None
+
+        if self.batches and all(ready(b) for b in self.batches):
+            from ..core.checksum import combine
+
+            nb = self.layout.num_buffers
+            # each batch's sums run buffer-major over its chunk: (buffers, chunk pages); chunks in order
+            per_batch = [b.item_sums.reshape(nb, -1) for b in self.batches]
+            values = np.concatenate(per_batch, axis=1).reshape(-1)
+            lengths = np.repeat(self.layout.item_lens, values.size // nb)
+            return combine(self.algo, values, lengths)
+        return checksum_pages(self.layout, self.src, self.algo)
+
+    def __call__(self) -> m.Done:
+        log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
+        return m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
+                      pages=int(self.src.size), checksum=self.checksum(), algo=self.algo.value, aux=self.aux,
+                      runs=log_bytes)
+
+
+class SenderLink(Protocol):
+    """What the sender needs of a transport connection to one receiver."""
+
+    conn_id: Any
+
+    def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None: ...
+
+    def post_ordered(self, msg: m.Message, *, slot: int, gen: int) -> None: ...
+
+
+@dataclass
+class SendRequest:
+    rid: Any
+    tokens: int
+    fsm: Lifecycle
+    pages: np.ndarray
+    local_gen: int
+    external: bool = False
+    gen: int = 0
+    slot: int = -1
+    peer: str | None = None
+    expected_peer: str | None = None  # admit(peer=...): only this decode may give the destination
+    link: Any = None
+    dst_pages: np.ndarray | None = None
+    sent: int = 0
+    src_sent: list[np.ndarray] = field(default_factory=list)
+    posted: int = 0
+    completed: int = 0
+    failed_writes: int = 0
+    bytes_posted: int = 0
+    batches: list[WriteBatch] = field(default_factory=list)
+    deadline: float = float("inf")
+    error: KvxferError | None = None
+    placeholder: bool = False
+    ack_with: type = m.DrainAck
+    sources_released: bool = False
+    created: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    @property
+    def state(self) -> SenderState:
+        return self.fsm.state
+
+    @property
+    def quiescent(self) -> bool:
+        return self.completed == self.posted
+
+    @property
+    def total_pages(self) -> int:
+        return len(self.dst_pages) if self.dst_pages is not None else len(self.pages)
+
+
+class Sender:
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        max_context: int,
+        checksum: ChecksumAlgo | str = ChecksumAlgo.ADLER32,
+        meta_timeout: float = 60.0,
+        send: Callable[[str, m.Message], None] | None = None,
+        link_for: Callable[[str], Any] | None = None,
+        lock: threading.RLock | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        unsafe_legacy: bool = False,
+        defer: Callable[[Callable[[], None]], None] | None = None,
+        observer: Callable[[Lifecycle, Any, str], None] | None = None,
+        max_pending_meta: int = 4096,
+    ) -> None:
+        self.pool = pool
+        self._defer = defer
+        self.layout = pool.layout
+        self.max_context = int(max_context)
+        self.checksum = ChecksumAlgo.parse(checksum)
+        self.meta_timeout = meta_timeout
+        self._send = send or (lambda peer, msg: None)
+        self._link_for = link_for or (lambda peer: None)
+        self.lock = lock or threading.RLock()
+        self._clock = clock
+        self.unsafe_legacy = unsafe_legacy
+        self.active: dict[Any, SendRequest] = {}
+        self.by_gen: OrderedDict[tuple[str, int], SendRequest] = OrderedDict()
+        self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
+        self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
+        self.max_pending_meta = max_pending_meta
+        self.meta_gen_seen: dict[str, int] = {}  # per receiver: newest META generation (they only grow)
+        # Decode rejections (REJECT, generation G) for requests not admitted here yet: applied to the
+        # next admission of that id, unless a META of a newer generation shows the decode moved on.
+        self.peer_rejections: dict[Any, tuple[m.Reject, float, str]] = {}
+        # Requests the caller gave up on before admitting them (refuse()): a destination offered for
+        # one is answered with REJECT at once instead of waiting for meta_timeout.
+        self.refused: dict[Any, tuple[str, str, float]] = {}
+        self._next_local_gen = 1
+        self.stats: Counter[str] = Counter()
+        self.observer = observer
+        self.changed = threading.Condition(self.lock)
+
+    # admission ----------------------------------------------------------------------------------
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
+        """Admit a prompt: reject what can never fit, else hold source pages for it.
+
+        With ``external_pages`` the engine's own allocator owns the source pages and passes them to
+        :meth:`send` (SGLang); kvxfer then holds none. With ``peer`` only that decode engine may give
+        the request its destination or reject it; any other peer's META/REJECT for it is refused.
+
+        Raises :class:`InvalidArgument` before anything is held for an id, token count or peer the
+        API cannot take."""
+        rid = check_rid(rid)
+        tokens = check_tokens(tokens, rid)
+        peer = check_peer(peer, rid)
+        with self.lock:
+            if rid in self.active:
+                live = self.active[rid]
+                raise DuplicateRequest(f"already active in state {live.state.value}", rid=rid,
+                                       generation=live.gen or None)
+            self.refused.pop(rid, None)  # a new attempt under that id
+            fsm = Lifecycle("sender", rid, observer=self.observer)
+            req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
+                              local_gen=0, external=external_pages, expected_peer=peer)
+            problem = self._admission_problem(tokens)
+            if problem is not None and self.unsafe_legacy and problem[0] == "exceeds_pool":
+                # The incident's path: swap the prompt for a one-page placeholder and carry on.
+                req.placeholder = True
+                problem = None
+            if problem is not None:
+                reason, text = problem
+                req.fsm.to(S.REJECTED, reason)
+                req.error = AdmissionRejected(text, reason=reason, rid=rid)
+                req.finished = self._clock()
+                self.stats["rejected"] += 1
+                self.stats[f"rejected_{reason}"] += 1
+                log.info("rejected at admission: %s", req.error)
+                pending = self.pending_meta.pop(rid, None)
+                if pending is not None:
+                    req.gen = pending[1].gen  # the decode's attempt this rejection answers
+                    self._reject_meta(pending[0], pending[1], reason, text)
+                remembered = self.peer_rejections.pop(rid, None)
+                if remembered is not None and not req.gen:
+                    req.gen = remembered[0].gen  # both roles refused that attempt: settled
+                self._remember(req)
+                self.changed.notify_all()
+                raise req.error
+            if not external_pages:
+                needed = 1 if req.placeholder else self.layout.pages_for_tokens(tokens)
+                if needed > self.pool.ledger.free_count:
+                    raise PoolExhausted(
+                        f"needs {needed} source pages, {self.pool.ledger.free_count} free", rid=rid
+                    )
+                req.local_gen = self._next_local_gen
+                self._next_local_gen += 1
+                req.pages = self.pool.ledger.allocate(needed, req.local_gen)
+            req.fsm.to(S.ADMITTED, "source pages held" if not external_pages else "admitted")
+            req.deadline = self._clock() + self.meta_timeout
+            self.active[rid] = req
+            self.stats["admitted"] += 1
+            rejection = self.peer_rejections.pop(rid, None)
+            if rejection is not None and peer is not None and rejection[2] != peer:
+                rejection = None  # another decode's word about a request it does not serve
+            if rejection is not None:
+                req.gen = rejection[0].gen
+                self._fail(req, AdmissionRejected(f"decode rejected it: {rejection[0].detail}",
+                                                  reason=rejection[0].reason, rid=rid, generation=req.gen or None))
+                return req
+            pending = self.pending_meta.pop(rid, None)
+            if pending is not None and peer is not None and pending[0] != peer:
+                self._error(pending[0], pending[1], PeerError(
+                    f"META from {pending[0]!r}, but the request was admitted for decode {peer!r}",
+                    rid=rid, generation=pending[1].gen))
+                pending = None
+            if pending is not None:
+                self._bind_meta(req, pending[0], pending[1])
+            return req
+
+    def _admission_problem(self, tokens: int) -> tuple[str, str] | None:
+        if tokens <= 0:
+            return "empty", f"prompt of {tokens} tokens"
+        if tokens > self.max_context:
+            return "exceeds_context", f"prompt of {tokens:,} tokens exceeds the context of {self.max_context:,}"
+        if tokens > self.layout.pool_tokens:
+            return (
+                "exceeds_pool",
+                f"prompt of {tokens:,} tokens can never fit this prefill pool of "
+                f"{self.layout.pool_tokens:,} tokens",
+            )
+        return None
+
+    # control messages from receivers ---------------------------------------------------------------
+    def on_meta(self, peer: str, msg: m.Meta) -> None:
+        with self.lock:
+            newest = self.meta_gen_seen.get(peer, 0)
+            if msg.gen <= newest:
+                # A receiver's generations only grow and its META messages arrive in order: this one
+                # is a replay (or a buggy peer); binding it would aim writes at an old generation.
+                self.stats["stale_meta"] += 1
+                self._error(peer, msg, StaleGeneration(
+                    f"META generation {msg.gen} is not after {newest}, the newest from this peer: replayed",
+                    rid=msg.rid, generation=msg.gen))
+                return
+            self.meta_gen_seen[peer] = msg.gen
+            remembered = self.peer_rejections.get(msg.rid)
+            if remembered is not None and remembered[2] == peer and remembered[0].gen < msg.gen:
+                # The decode rejected an older attempt and now reserved pages for a new one.
+                del self.peer_rejections[msg.rid]
+                self.stats["rejections_superseded"] += 1
+            req = self.active.get(msg.rid)
+            refusal = self.refused.pop(msg.rid, None) if req is None else None
+            if refusal is not None:
+                self.stats["refused_meta"] += 1
+                self._reject_meta(peer, msg, refusal[0], refusal[1])
+                return
+            if req is None:
+                old = self.recent.get(msg.rid)
+                if old is not None and old.state is S.REJECTED and old.gen == 0 and old.tokens == msg.tokens:
+                    # This prefill already refused this prompt (before its META arrived): answer it.
+                    # A META for another size is a retry under the same id and waits for admission.
+                    old.gen = msg.gen
+                    self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
+                    return
+                held = self.pending_meta.get(msg.rid)
+                if held is not None and held[0] != peer:
+                    self._error(peer, msg, PeerError(
+                        f"META while a destination from {held[0]!r} is already pending for it",
+                        rid=msg.rid, generation=msg.gen))
+                    return
+                if held is None and len(self.pending_meta) >= self.max_pending_meta and sum(
+                        1 for p in self.pending_meta.values() if p[0] == peer) >= self.max_pending_meta:
+                    self.stats["flood_refused"] += 1
+                    self._error(peer, msg, PeerError(
+                        f"{self.max_pending_meta} destinations from this peer already wait for requests not "
+                        "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
+                    return
+                self.pending_meta[msg.rid] = (peer, msg, self._clock() + self.meta_timeout)
+                return
+            if req.expected_peer is not None and peer != req.expected_peer:
+                self._error(peer, msg, PeerError(
+                    f"META from {peer!r}, but the request was admitted for decode {req.expected_peer!r}",
+                    rid=msg.rid, generation=msg.gen))
+                return
+            if req.state is not S.ADMITTED:
+                self._error(peer, msg, StaleGeneration(
+                    f"META for a request already in state {req.state.value}", rid=msg.rid, generation=msg.gen))
+                return
+            self._bind_meta(req, peer, msg)
+
+    def _bind_meta(self, req: SendRequest, peer: str, msg: m.Meta) -> None:
+        link = self._link_for(peer)
+        if link is None:
+            self._fail(req, TransferFailed(f"no data connection to {peer}", reason="connection",
+                                           rid=req.rid, generation=msg.gen))
+            return
+        expected = len(msg.pages) if self.unsafe_legacy else self.layout.pages_for_tokens(req.tokens)
+        if msg.tokens != req.tokens or len(msg.pages) != expected:
+            text = (f"decode reserved {len(msg.pages)} pages for {msg.tokens} tokens, prefill admitted "
+                    f"{req.tokens} tokens ({expected} pages)")
+            req.gen = msg.gen
+            req.peer = peer
+            req.link = link
+            link.post_ordered(m.Reject(rid=req.rid, gen=msg.gen, reason="size_mismatch", detail=text),
+                              slot=msg.slot, gen=msg.gen)
+            self._fail(req, TransferFailed(text, reason="size_mismatch", rid=req.rid, generation=msg.gen))
+            return
+        req.gen = msg.gen
+        req.fsm.generation = msg.gen
+        req.slot = msg.slot
+        req.peer = peer
+        req.link = link
+        req.dst_pages = msg.pages
+        req.deadline = float("inf")
+        req.fsm.to(S.READY, "destination received")
+        self.by_gen[(peer, msg.gen)] = req
+        self.changed.notify_all()
+
+    def _reject_meta(self, peer: str, msg: m.Meta, reason: str, text: str) -> None:
+        link = self._link_for(peer)
+        if link is not None:
+            link.post_ordered(m.Reject(rid=msg.rid, gen=msg.gen, reason=reason, detail=text),
+                              slot=msg.slot, gen=msg.gen)
+        else:
+            self._send(peer, m.Reject(rid=msg.rid, gen=msg.gen, reason=reason, detail=text))
+
+    def on_abort(self, peer: str, msg: m.Abort) -> None:
+        """The receiver aborted ``msg.gen``: stop writing it and acknowledge once drained."""
+        with self.lock:
+            req = self.by_gen.get((peer, msg.gen))
+            if req is None or req.rid != msg.rid:
+                self.stats["stale_abort"] += 1
+                pending = self.pending_meta.get(msg.rid)
+                if pending is not None and pending[1].gen == msg.gen:
+                    # Never bound, so never written; and now it never will be.
+                    del self.pending_meta[msg.rid]
+                # Nothing of ours is in flight for that generation, which is exactly what an ack says.
+                link = self._link_for(peer)
+                if link is not None and msg.gen:
+                    link.post_ordered(m.DrainAck(rid=msg.rid, gen=msg.gen, posted=0, completed=0),
+                                      slot=0, gen=msg.gen)
+                return
+            self.stats["aborted_by_peer"] += 1
+            error = TransferAborted(f"decode aborted: {msg.detail}", reason=msg.reason,
+                                    rid=req.rid, generation=req.gen)
+            self._stop(req, error, ack_with=m.DrainAck)
+
+    def on_reject(self, peer: str, msg: m.Reject) -> None:
+        """The receiver rejected the request at its admission (it never reserved pages)."""
+        with self.lock:
+            req = self.active.get(msg.rid)
+            if req is None:
+                old = self.recent.get(msg.rid)
+                if old is not None and old.state is S.REJECTED and old.gen == 0:
+                    # This prefill refused the same attempt itself: both roles agree, nothing to keep.
+                    old.gen = msg.gen
+                    self.stats["rejections_paired"] += 1
+                    return
+                # Not admitted here (yet): remember, so its admission fails at once instead of
+                # waiting for a destination that will never come.
+                if msg.rid not in self.peer_rejections and len(self.peer_rejections) >= self.max_pending_meta:
+                    self.stats["flood_refused"] += 1
+                    self._error(peer, msg, PeerError("too many rejections remembered for requests not admitted here",
+                                                     rid=msg.rid))
+                    return
+                self.peer_rejections[msg.rid] = (msg, self._clock() + self.meta_timeout, peer)
+                self.stats["peer_rejections_remembered"] += 1
+                return
+            owner = req.expected_peer or req.peer
+            if owner is not None and peer != owner:
+                self._error(peer, msg, PeerError(f"REJECT from {peer!r} for a request that decode {owner!r} serves",
+                                                 rid=msg.rid, generation=msg.gen))
+                return
+            if req.state is not S.ADMITTED:
+                self.stats["stale_reject"] += 1
+                return
+            req.peer = peer
+            req.gen = msg.gen
+            self._fail(req, AdmissionRejected(f"decode rejected it: {msg.detail}", reason=msg.reason,
+                                              rid=req.rid, generation=msg.gen or None))
+
+    def on_result(self, peer: str, msg: m.Result) -> None:
+        with self.lock:
+            req = self.by_gen.get((peer, msg.gen))
+            if req is None or req.rid != msg.rid or req.state is not S.DONE_SENT:
+                self.stats["stale_result"] += 1
+                return
+            if msg.ok:
+                req.fsm.to(S.SUCCEEDED, "receiver verified")
+                self.stats["succeeded"] += 1
+                self._finish(req)
+            else:
+                self._fail(req, TransferFailed(f"decode could not verify: {msg.detail}", reason=msg.reason,
+                                               rid=req.rid, generation=req.gen))
+
+    def _error(self, peer: str, msg: m.Message, error: KvxferError) -> None:
+        self.stats[f"refused_{error.code}"] += 1
+        log.warning("ignored %s from %s: %s", msg.TYPE, peer, error)
+        self._send(peer, m.Error(about=msg.TYPE, code=error.code, detail=str(error),
+                                 rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0)))
+
+    # local calls ---------------------------------------------------------------------------------
+    def source_pages(self, rid: Any) -> np.ndarray:
+        with self.lock:
+            return self._lookup(rid).pages
+
+    def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None,
+             aux: bytes = b"", ready: Any = None) -> SendRequest:
+        """Post writes for the next chunk of the request; the chunk that reaches the end posts DONE.
+
+        ``src_pages`` are the chunk's source pages: the caller's own with ``external_pages``,
+        otherwise pages this request holds and has not sent yet. Without them the chunk is the
+        next ``count`` held pages (``count`` in [1, pages left]; default: all left). ``ready`` (a
+        CUDA event or anything with ``wait()``) is waited on before the source pages are read.
+        Raises :class:`InvalidArgument` (nothing posted) for anything else."""
+        with self.lock:
+            req = self._lookup(rid)
+            if req.state not in (S.READY, S.TRANSFERRING):
+                why = f": {req.error}" if req.error is not None else ""
+                raise TransferFailed(f"cannot send in state {req.state.value}{why}", reason="state",
+                                     rid=rid, generation=req.gen or None)
+            assert req.dst_pages is not None
+            remaining = req.total_pages - req.sent
+            if req.placeholder:
+                remaining = len(req.pages) - req.sent
+            total = len(req.pages) if req.placeholder else req.total_pages
+            aux = check_aux(aux, req.rid, req.gen)
+            if src_pages is not None:
+                if count is not None:
+                    raise InvalidArgument("give src_pages or count, not both", rid=rid, generation=req.gen)
+                chunk = self._check_chunk(req, src_pages)
+            else:
+                take = remaining if count is None else min(check_count(count, req.total_pages, rid, req.gen),
+                                                           remaining)
+                chunk = req.pages[req.sent : req.sent + take]
+            if chunk.size > remaining:
+                raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send",
+                                      rid=rid, generation=req.gen)
+            if chunk.size:
+                dst = req.dst_pages[req.sent : req.sent + chunk.size]
+                batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
+                batch.owner = req
+                batch.ready = ready
+                batch.final = req.sent + chunk.size == total
+                self._sum_later(batch)
+                req.posted += len(batch)
+                req.bytes_posted += batch.nbytes
+                req.batches.append(batch)
+                req.src_sent.append(chunk)
+                req.sent += chunk.size
+                if req.state is S.READY:
+                    req.fsm.to(S.TRANSFERRING, "first chunk posted")
+                self.stats["writes_posted"] += len(batch)
+                self.stats["bytes_posted"] += batch.nbytes
+                try:
+                    req.link.post_writes(batch, self._on_complete)
+                except TransportError as exc:
+                    req.completed += len(batch)
+                    req.failed_writes += len(batch)
+                    self._fail(req, TransferFailed(f"could not post writes: {exc}", reason="transport",
+                                                   rid=rid, generation=req.gen))
+                    return req
+            last = req.sent == total
+            if last and req.state in (S.TRANSFERRING, S.READY):
+                self._post_done(req, aux)
+            return req
+
+    def _check_chunk(self, req: SendRequest, src_pages: Any) -> np.ndarray:
+        """Explicit source pages: distinct, in range and, unless external, held by this request
+        and not sent before (another request's KV must never travel under this tag)."""
+        chunk = page_array(src_pages, num_pages=self.layout.num_pages, rid=req.rid, what="source pages")
+        if chunk.size == 0:
+            raise InvalidArgument("source page list is empty", rid=req.rid, generation=req.gen)
+        if req.external:
+            return chunk
+        foreign = chunk[~np.isin(chunk, req.pages)]
+        if foreign.size:
+            raise InvalidArgument("source pages not held by this request (admit with external_pages=True to "
+                                  "send pages of your own allocator)", rid=req.rid, generation=req.gen,
+                                  pages=foreign[:8])
+        if req.src_sent:
+            again = chunk[np.isin(chunk, np.concatenate(req.src_sent))]
+            if again.size:
+                raise InvalidArgument("source pages already sent", rid=req.rid, generation=req.gen, pages=again[:8])
+        return chunk
+
+    def _sum_later(self, batch: WriteBatch) -> None:
+        """Source item checksums of the batch, computed on the checksum thread while the transport
+        sends (the caller finished writing these pages before sending them)."""
+        from ..core.checksum import native_id
+
+        algo_id = native_id(self.checksum)
+        if (self._defer is None or algo_id is None or self.layout.device != "cpu"
+                or not getattr(batch.owner.link, "needs_write_log", False)):
+            return  # tcp takes the sums while sending (hot in cache); verbs posts without reading
+        from ..core import native
+
+        event = threading.Event()
+        batch.sums_ready = event
+        items = self.layout.item_lens.astype(np.uint64)[batch.buffers]
+        bases = np.array([spec.address for spec in self.layout.buffers], dtype=np.uint64)
+        addresses = bases[batch.buffers] + batch.src_offsets.astype(np.uint64)
+        lengths = batch.lengths.astype(np.uint64)
+        initial = self.checksum.initial
+
+        def compute() -> None:
+            try:
+                batch.wait_sources()
+                raw = native.lib.checksum_items(algo_id, initial, addresses.tobytes(), lengths.tobytes(),
+                                                items.tobytes())
+                batch.item_sums = np.frombuffer(raw, dtype=np.uint32)
+            finally:
+                event.set()
+
+        self._defer(compute)
+
+    def _post_done(self, req: SendRequest, aux: bytes) -> None:
+        src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
+        # The transport builds DONE when it reaches it, behind every write of the request; the source
+        # checksums were computed meanwhile on the checksum thread (or it reads the pages once).
+        done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=req.gen, aux=aux,
+                           src=src, batches=list(req.batches),
+                           write_log=bool(getattr(req.link, "needs_write_log", False)))
+        if req.state is S.READY:
+            req.fsm.to(S.TRANSFERRING, "empty transfer")
+        req.link.post_ordered(done, slot=req.slot, gen=req.gen)
+        req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
+        self.stats["done_sent"] += 1
+        self.changed.notify_all()
+
+    def refuse(self, rid: Any, reason: str, detail: str) -> None:
+        """The caller gave up on ``rid`` before admitting it (its client left, its bootstrap timed
+        out): a destination a receiver reserved for it is answered with REJECT now, or as soon as it
+        arrives (until ``meta_timeout``), so the receiver frees its pages at once. An admitted
+        request is aborted instead."""
+        rid = check_rid(rid)
+        with self.lock:
+            if rid in self.active:
+                self.abort(rid, detail)
+                return
+            pending = self.pending_meta.pop(rid, None)
+            if pending is not None:
+                self.stats["refused_meta"] += 1
+                self._reject_meta(pending[0], pending[1], reason, detail)
+                return
+            if len(self.refused) >= self.max_pending_meta:
+                self.refused.pop(next(iter(self.refused)))
+            self.refused[rid] = (reason, detail, self._clock() + self.meta_timeout)
+
+    def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
+        """Stop a request. Its receiver learns it on the ordered path once posted writes completed."""
+        with self.lock:
+            req = self._lookup(rid)
+            if req.fsm.terminal or req.state is S.DRAINING:
+                return req
+            error = TransferAborted(reason, reason="aborted", rid=rid, generation=req.gen or None)
+            self.stats["aborted"] += 1
+            if req.state is S.ADMITTED:
+                req.error = error
+                req.fsm.to(S.ABORTED, reason)
+                self._finish(req)
+                return req
+            if req.state is S.DONE_SENT:
+                req.error = error
+                req.fsm.to(S.ABORTED, reason)
+                self._finish(req)
+                return req
+            self._stop(req, error, ack_with=m.Abort)
+            return req
+
+    def _stop(self, req: SendRequest, error: KvxferError, *, ack_with: type) -> None:
+        """Cancel unposted work and send the drain proof (``ack_with``) once quiescent."""
+        if req.fsm.terminal or req.state is S.DRAINING:
+            return
+        req.error = error
+        if req.state is S.DONE_SENT:
+            # DONE was ordered behind every write; it already proves the drain.
+            req.fsm.to(S.ABORTED, "aborted after DONE")
+        elif req.state in (S.ADMITTED, S.READY):
+            # Nothing was posted: the proof can go at once.
+            req.fsm.to(S.ABORTED, error.detail)
+            if req.state is S.ABORTED and req.link is not None:
+                self._post_drain_proof(req, ack_with)
+        else:
+            for batch in req.batches:
+                batch.cancelled = True
+            req.fsm.to(S.DRAINING, error.detail)
+            req.ack_with = ack_with
+            self._maybe_drained(req)
+            return
+        self._finish(req)
+
+    def _post_drain_proof(self, req: SendRequest, ack_with: type) -> None:
+        if req.link is None:
+            return
+        if ack_with is m.DrainAck:
+            msg: m.Message = m.DrainAck(rid=req.rid, gen=req.gen, posted=req.posted, completed=req.completed)
+        else:
+            msg = m.Abort(rid=req.rid, gen=req.gen, reason="aborted", detail=str(req.error))
+        try:
+            req.link.post_ordered(msg, slot=req.slot, gen=req.gen)
+            self.stats["drain_acks" if ack_with is m.DrainAck else "aborts_sent"] += 1
+        except TransportError as exc:
+            log.warning("could not post drain proof for %r generation %d: %s", req.rid, req.gen, exc)
+
+    def _maybe_drained(self, req: SendRequest) -> None:
+        if req.state is S.DRAINING and req.quiescent:
+            self._post_drain_proof(req, req.ack_with)
+            req.fsm.to(S.ABORTED, f"drained: {req.posted} writes completed")
+            self._finish(req)
+
+    # transport events -------------------------------------------------------------------------------
+    def _on_complete(self, batch: WriteBatch, ok: int, failed: int) -> None:
+        """Transport callback: ``ok + failed`` writes of ``batch`` completed (any thread)."""
+        with self.lock:
+            req = batch.owner
+            if req is None:
+                return
+            req.completed += ok + failed
+            req.failed_writes += failed
+            self.stats["writes_completed"] += ok + failed
+            if failed and not batch.cancelled and req.state in (S.TRANSFERRING, S.DONE_SENT):
+                self._fail(req, TransferFailed(f"{failed} writes failed on the wire", reason="write_error",
+                                               rid=req.rid, generation=req.gen))
+            self._maybe_drained(req)
+            self._maybe_release(req)
+            self.changed.notify_all()
+
+    def on_connection_closed(self, link: Any, reason: str) -> None:
+        """The data connection is gone (dead peer or fence): settle every request bound to it."""
+        with self.lock:
+            for req in list(self.active.values()):
+                if req.link is not link:
+                    continue
+                if req.state is S.DRAINING:
+                    req.fsm.to(S.ABORTED, f"connection closed: {reason}")
+                    self._finish(req)
+                elif not req.fsm.terminal and req.state is not S.ADMITTED:
+                    self._fail(req, TransferFailed(f"connection closed: {reason}", reason="connection",
+                                                   rid=req.rid, generation=req.gen))
+
+    def tick(self) -> None:
+        with self.lock:
+            now = self._clock()
+            for req in list(self.active.values()):
+                if req.state is S.ADMITTED and now >= req.deadline:
+                    self._fail(req, TransferFailed(
+                        f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
+                        rid=req.rid))
+            for rid, (_msg, deadline, _peer) in list(self.peer_rejections.items()):
+                if now >= deadline:
+                    del self.peer_rejections[rid]
+            for rid, (_reason, _detail, deadline) in list(self.refused.items()):
+                if now >= deadline:
+                    del self.refused[rid]
+            for rid, (peer, msg, deadline) in list(self.pending_meta.items()):
+                if now >= deadline:
+                    del self.pending_meta[rid]
+                    self.stats["meta_expired"] += 1
+                    self._reject_meta(peer, msg, "not_admitted",
+                                      f"prefill never admitted request {rid!r} within {self.meta_timeout:g} s")
+
+    # bookkeeping -----------------------------------------------------------------------------------
+    def _lookup(self, rid: Any) -> SendRequest:
+        rid = check_rid(rid)
+        req = self.active.get(rid) or self.recent.get(rid)
+        if req is None:
+            raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
+        return req
+
+    def _fail(self, req: SendRequest, error: KvxferError) -> None:
+        if req.fsm.terminal:
+            return
+        for batch in req.batches:
+            batch.cancelled = True
+        req.error = error
+        req.fsm.to(S.FAILED, error.code)
+        self.stats["failed"] += 1
+        log.info("%s", error)
+        self._finish(req)
+
+    def _finish(self, req: SendRequest) -> None:
+        req.finished = self._clock()
+        if self.active.get(req.rid) is req:
+            del self.active[req.rid]
+        self._remember(req)
+        self._maybe_release(req)
+        self.changed.notify_all()
+
+    def _maybe_release(self, req: SendRequest) -> None:
+        if req.sources_released or not req.fsm.terminal or not req.quiescent:
+            return
+        req.sources_released = True
+        req.batches = []
+        if req.pages.size and not req.external:
+            self.pool.release(req.pages, req.local_gen, allowed=(PageState.RESERVED,))
+
+    def _remember(self, req: SendRequest) -> None:
+        self.recent[req.rid] = req
+        self.recent.move_to_end(req.rid)
+        while len(self.recent) > HISTORY_LIMIT:
+            self.recent.popitem(last=False)
+        while len(self.by_gen) > HISTORY_LIMIT:
+            self.by_gen.popitem(last=False)
+
+    def settled(self, req: SendRequest) -> bool:
+        """Terminal and quiescent: the caller may reuse the request's source memory."""
+        return req.fsm.terminal and req.quiescent
+
+    def check_accounting(self) -> dict[str, int]:
+        from ..errors import LedgerInvariantError
+
+        with self.lock:
+            counts = self.pool.ledger.check_invariants()
+            held = np.zeros(self.layout.num_pages, dtype=np.int32)
+            holders = list(self.active.values()) + [
+                r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external
+            ]
+            for req in holders:
+                if req.external:
+                    continue
+                ok = self.pool.ledger.owned_by(req.pages, req.local_gen, (PageState.RESERVED,))
+                if not ok.all():
+                    raise LedgerInvariantError("source pages not held under the request's stamp",
+                                               rid=req.rid, pages=req.pages[~ok])
+                np.add.at(held, req.pages, 1)
+            if (held > 1).any():
+                raise LedgerInvariantError("source pages held twice", pages=np.flatnonzero(held > 1))
+            orphan = np.flatnonzero((held == 0) & (self.pool.ledger.state != PageState.FREE))
+            if orphan.size:
+                raise LedgerInvariantError("source pages held by no request", pages=orphan)
+            return counts

@@ -1,0 +1,78 @@
+"""The benchmark's two halves, run inside the engine node processes (see :mod:`kvxfer.tools.node`).
+
+The decode half admits requests (with random allocation, so destination pages are scattered across
+its pool), waits until each is readable, and releases it; the prefill half admits the same requests,
+waits for their destinations and posts them. Each keeps up to ``concurrency`` requests in flight.
+The decode half's clock, from its first admission to its last readable request, is the measurement:
+every check (coverage, byte counts, checksum) has run by then.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from ...core.lifecycle import ReceiverState
+from ...errors import KvxferError, PoolExhausted
+
+
+def _admit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except PoolExhausted:
+            time.sleep(0.0005)
+
+
+def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:
+    pending: collections.deque[str] = collections.deque()
+    failed = 0
+    nbytes = 0
+    start = None
+
+    def finish_one() -> None:
+        nonlocal failed, nbytes
+        rid = pending.popleft()
+        req = engine.wait(rid, timeout=600)
+        if req.state is ReceiverState.READABLE:
+            nbytes += engine.layout.bytes_for_pages(len(req.pages))
+            engine.release(rid)
+        else:
+            failed += 1
+
+    for rid, tokens in requests:
+        while len(pending) >= concurrency:
+            finish_one()
+        _admit(engine.admit, rid, tokens, peer=peer)
+        if start is None:
+            start = time.perf_counter()
+        pending.append(rid)
+    while pending:
+        finish_one()
+    seconds = time.perf_counter() - (start or time.perf_counter())
+    return {"seconds": seconds, "bytes": nbytes, "failed": failed, "requests": len(requests)}
+
+
+def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:
+    pending: collections.deque[str] = collections.deque()
+    failed = 0
+    start = time.perf_counter()
+    for rid, tokens in requests:
+        while len(pending) >= concurrency:
+            try:
+                engine.wait(pending.popleft(), timeout=600)
+            except KvxferError:
+                failed += 1
+        _admit(engine.admit, rid, tokens)
+        engine.wait_ready(rid, timeout=600)
+        engine.send(rid)
+        pending.append(rid)
+    while pending:
+        try:
+            engine.wait(pending.popleft(), timeout=600)
+        except KvxferError:
+            failed += 1
+    links = [p.link for p in engine.peers.values() if p.link is not None]
+    post_rate = max((link.post_rate() for link in links if hasattr(link, "post_rate")), default=0.0)
+    return {"seconds": time.perf_counter() - start, "failed": failed, "post_rate": post_rate}

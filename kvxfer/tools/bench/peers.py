@@ -1,0 +1,220 @@
+"""Baseline and peer processes for ``kvxfer bench``: a raw socket pair, Mooncake TCP, NIXL UCX tcp.
+
+Each runs as two processes, a *target* that owns the destination pool and an *initiator* that
+owns the source pool and moves ``pages`` pages of ``page_bytes`` from random source pages to random
+destination pages once per round. Both pools are the same size as kvxfer's decode pool in the same
+run (``pool_pages``), so every contestant has the same working set. The driver talks to them over
+stdin/stdout, one JSON object per line:
+
+* the target prints ``{"ready": ..., <how to reach it>}`` and then waits for ``quit``;
+* the initiator is started with the target's line, prints ``{"ready": true}``, then for every
+  ``go`` line moves the pages and prints ``{"seconds": S}``.
+
+Run: ``python -m kvxfer.tools.bench.peers PEER ROLE PAGES PAGE_BYTES POOL_PAGES [TARGET_JSON]``.
+Mooncake (``mooncake-transfer-engine-non-cuda``) and NIXL (``nixl-cu12 --no-deps``, with
+``UCX_TLS=tcp UCX_NET_DEVICES=lo`` and its initiator progress thread off, the best setting
+measured here) are optional; a missing one exits with a one-line reason. A peer process never
+outlives the bench that started it (:func:`kvxfer.tools.procs.adopt`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import procs
+
+HEADER = struct.Struct("<IQ")
+MOONCAKE_BATCH = 1024
+
+
+def _pool(pool_pages: int, page_bytes: int) -> np.ndarray:
+    pool = np.zeros((pool_pages, page_bytes), dtype=np.uint8)
+    pool.reshape(-1)[::4096] = 1  # pre-fault
+    return pool
+
+
+def _say(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def _commands() -> Any:
+    for line in sys.stdin:
+        line = line.strip()
+        if line == "quit":
+            return
+        if line:
+            yield line
+
+
+def _picks(rng: np.random.Generator, pool_pages: int, pages: int) -> np.ndarray:
+    """``pages`` random pool pages (with wrap-around when the pool is smaller than the round)."""
+    reps = -(-pages // pool_pages)
+    return np.concatenate([rng.permutation(pool_pages) for _ in range(reps)])[:pages]
+
+
+# raw sockets -------------------------------------------------------------------------------------
+
+
+def raw_target(pages: int, page_bytes: int, pool_pages: int) -> None:
+    pool = _pool(pool_pages, page_bytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    _say({"ready": True, "port": server.getsockname()[1]})
+    conn, _ = server.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    header = memoryview(bytearray(HEADER.size))
+    rng = np.random.default_rng(1)
+
+    def fill(view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = conn.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("initiator closed")
+            got += n
+
+    try:
+        while True:
+            for index in _picks(rng, pool_pages, pages).tolist():
+                fill(header)
+                fill(memoryview(pool[index]))
+            conn.sendall(b"k")
+    except ConnectionError:
+        return
+
+
+def raw_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    pool = _pool(pool_pages, page_bytes)
+    sock = socket.create_connection(("127.0.0.1", target["port"]))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    rng = np.random.default_rng(2)
+    _say({"ready": True})
+    for _ in _commands():
+        start = time.perf_counter()
+        for i, index in enumerate(_picks(rng, pool_pages, pages).tolist()):
+            sock.sendmsg([HEADER.pack(i, index), memoryview(pool[index])])
+        sock.recv(1)  # the target has every byte
+        _say({"seconds": time.perf_counter() - start})
+    sock.close()
+
+
+# Mooncake ------------------------------------------------------------------------------------------
+
+
+def _mooncake() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        _say({"error": f"mooncake not installed (pip install mooncake-transfer-engine-non-cuda): {exc}"})
+        sys.exit(3)
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        _say({"error": "mooncake TransferEngine.initialize failed"})
+        sys.exit(3)
+    return engine
+
+
+def mooncake_target(pages: int, page_bytes: int, pool_pages: int) -> None:
+    engine = _mooncake()
+    pool = _pool(pool_pages, page_bytes)
+    engine.register_memory(pool.ctypes.data, pool.nbytes)
+    _say({"ready": True, "session": f"127.0.0.1:{engine.get_rpc_port()}", "base": pool.ctypes.data})
+    for _ in _commands():
+        pass
+
+
+def mooncake_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    engine = _mooncake()
+    pool = _pool(pool_pages, page_bytes)
+    engine.register_memory(pool.ctypes.data, pool.nbytes)
+    rng = np.random.default_rng(2)
+    _say({"ready": True})
+    for _ in _commands():
+        src = pool.ctypes.data + _picks(rng, pool_pages, pages).astype(np.int64) * page_bytes
+        dst = target["base"] + _picks(rng, pool_pages, pages).astype(np.int64) * page_bytes
+        lengths = [page_bytes] * MOONCAKE_BATCH
+        start = time.perf_counter()
+        for lo in range(0, pages, MOONCAKE_BATCH):
+            s, d = src[lo : lo + MOONCAKE_BATCH].tolist(), dst[lo : lo + MOONCAKE_BATCH].tolist()
+            rc = engine.batch_transfer_sync_write(target["session"], s, d, lengths[: len(s)])
+            if rc != 0:
+                _say({"error": f"batch_transfer_sync_write returned {rc}"})
+                sys.exit(4)
+        _say({"seconds": time.perf_counter() - start})
+
+
+# NIXL -------------------------------------------------------------------------------------------
+
+
+def _nixl(name: str, *, progress_thread: bool) -> Any:
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        _say({"error": f"NIXL not installed (pip install --no-deps nixl-cu12): {exc}"})
+        sys.exit(3)
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+
+
+def nixl_target(pages: int, page_bytes: int, pool_pages: int) -> None:
+    agent = _nixl("kvxfer-bench-target", progress_thread=True)
+    pool = _pool(pool_pages, page_bytes)
+    agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    meta = base64.b64encode(agent.get_agent_metadata()).decode()
+    _say({"ready": True, "metadata": meta, "base": pool.ctypes.data})
+    for _ in _commands():
+        pass
+
+
+def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    agent = _nixl("kvxfer-bench-initiator", progress_thread=False)
+    pool = _pool(pool_pages, page_bytes)
+    agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    remote = agent.add_remote_agent(base64.b64decode(target["metadata"]))
+    rng = np.random.default_rng(2)
+    _say({"ready": True})
+    for round_no, _ in enumerate(_commands()):
+        src = np.zeros((pages, 3), dtype=np.uint64)
+        dst = np.zeros((pages, 3), dtype=np.uint64)
+        src[:, 0] = pool.ctypes.data + _picks(rng, pool_pages, pages).astype(np.uint64) * page_bytes
+        dst[:, 0] = target["base"] + _picks(rng, pool_pages, pages).astype(np.uint64) * page_bytes
+        src[:, 1] = dst[:, 1] = page_bytes
+        start = time.perf_counter()
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"), agent.get_xfer_descs(dst, "DRAM"),
+                                       remote, f"r{round_no}".encode())
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        seconds = time.perf_counter() - start
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            _say({"error": f"NIXL transfer ended in state {state}"})
+            sys.exit(4)
+        _say({"seconds": seconds})
+
+
+ROLES = {
+    ("raw-socket", "target"): raw_target,
+    ("raw-socket", "initiator"): raw_initiator,
+    ("mooncake-tcp", "target"): mooncake_target,
+    ("mooncake-tcp", "initiator"): mooncake_initiator,
+    ("nixl-ucx-tcp", "target"): nixl_target,
+    ("nixl-ucx-tcp", "initiator"): nixl_initiator,
+}
+
+if __name__ == "__main__":
+    procs.adopt()  # the bench gone, SIGTERM (default action: exit) and, failing that, _exit
+    peer, role = sys.argv[1], sys.argv[2]
+    pages, page_bytes, pool_pages = map(int, sys.argv[3:6])
+    fn = ROLES[(peer, role)]
+    if role == "target":
+        fn(pages, page_bytes, pool_pages)
+    else:
+        fn(pages, page_bytes, pool_pages, json.loads(sys.argv[6]))

@@ -1,0 +1,236 @@
+"""The ``kvxfer`` command line: one subcommand per job, each in its own module, imported on use.
+
+The jobs that run engines or child processes (``demo``, ``stress``, ``bench``, ``serve-toy``) stop
+cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGHUP: children stopped, temporary files removed, one line
+on stderr naming the job and the signal, exit status 128 + the signal's number
+(:func:`kvxfer.tools.procs.run_stoppable`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose,
+                    verbs={"ib_device": args.ib_device, "gid_index": args.gid_index},
+                    metrics_port=args.metrics_port, linger=args.linger)
+
+
+def _stress(args: argparse.Namespace) -> int:
+    from .stress import ALL_FAULTS, StressConfig, run_stress
+
+    faults = {name: args.all_faults for name in ALL_FAULTS} if args.all_faults else {}
+    for item in args.fault or []:
+        name, _, rate = item.partition("=")
+        faults[name.replace("-", "_")] = float(rate)
+    config = StressConfig(
+        transport=args.transport,
+        requests=args.requests if args.requests is not None or args.duration is not None else 200,
+        duration=args.duration, concurrency=args.concurrency,
+        median_tokens=args.median_tokens, sigma=args.sigma, page_size=args.page_size, layers=args.layers,
+        item_len=args.item_len, prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
+        context=args.context, alloc_policy=args.alloc_policy, free_policy=args.free_policy, seed=args.seed,
+        max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
+        ib_device=args.ib_device, gid_index=args.gid_index,
+    )
+    return run_stress(config, json_path=args.json, report_path=args.report,
+                      progress=False if args.no_progress else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvxfer",
+        description="KV-cache transfer engine for disaggregated LLM serving: tagged one-sided writes, "
+        "admission that rejects, verified completion, deferred release.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvxfer {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the scripted prefill/decode session on loopback (the main job)")
+    demo.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
+    demo.add_argument("--transport", default="tcp", choices=["tcp", "verbs"], help="data transport (default tcp)")
+    _verbs_flags(demo)
+    demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
+    demo.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                      help="serve Prometheus metrics: decode on P, prefill on P+1")
+    demo.add_argument("--linger", type=float, default=0.0, metavar="S",
+                      help="keep the engines and their metrics endpoints up S seconds after the session")
+    demo.set_defaults(func=_demo)
+
+    stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
+    stress.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
+    _verbs_flags(stress)
+    stress.add_argument("--requests", type=int, default=None, help="requests to run (default 200 without --duration)")
+    stress.add_argument("--duration", type=float, default=None, help="stop starting requests after S seconds")
+    stress.add_argument("--concurrency", type=int, default=16)
+    stress.add_argument("--median-tokens", type=int, default=1500, help="median of the log-normal prompt length")
+    stress.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the prompt length")
+    stress.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    stress.add_argument("--layers", type=int, default=2, help="layers (two buffers each: K and V)")
+    stress.add_argument("--item-len", type=int, default=1024, help="bytes per page per buffer")
+    stress.add_argument("--prefill-pages", type=int, default=2048)
+    stress.add_argument("--decode-pages", type=int, default=8192)
+    stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")
+    stress.add_argument("--alloc-policy", default="lifo", choices=["lifo", "fifo", "random"])
+    stress.add_argument("--free-policy", default="keep", choices=["keep", "zero", "poison"])
+    stress.add_argument("--max-chunks", type=int, default=4, help="chunks per request, chosen 1..N")
+    stress.add_argument("--seed", type=int, default=0)
+    stress.add_argument("--all-faults", type=float, default=0.0, metavar="RATE",
+                        help="enable every fault type at RATE (0..1)")
+    stress.add_argument("--fault", action="append", metavar="NAME=RATE",
+                        help="set one fault's rate; names: " + ", ".join(_fault_names()))
+    stress.add_argument("--unsafe-legacy", action="store_true",
+                        help="negative control: the incident's behaviour (no rejection, no verification, "
+                        "immediate free); the oracle must report leaks")
+    stress.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    stress.add_argument("--report", metavar="PATH.png", help="draw throughput over time and latencies")
+    stress.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    stress.set_defaults(func=_stress)
+
+    bench = sub.add_parser("bench", help="throughput against raw sockets / ib_write_bw and the peers, as ratios")
+    bench.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
+    _verbs_flags(bench)
+    bench.add_argument("--total", help="bytes per case (default 1G on tcp, 64M on verbs); K/M/G suffixes")
+    bench.add_argument("--total-small", help="bytes for pages under 16 KiB (default: --total)")
+    bench.add_argument("--page-bytes", action="append", help="page size (repeatable; default 64K and 4K)")
+    bench.add_argument("--request-bytes", default="64M", help="bytes per request (default 64M)")
+    bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    bench.add_argument("--repeat", type=int, default=5, help="repetitions per case; the median is reported")
+    bench.add_argument("--checks", default="both", choices=["on", "off", "both"])
+    bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw")
+    bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON")
+    bench.set_defaults(func=_bench)
+
+    audit = sub.add_parser("audit", help="deployment audits: capacity band, leak probe")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    capacity = audit_sub.add_parser("capacity", help="find prompt lengths that pass the context check but not the pool")
+    _lazy(capacity, "kvxfer.tools.audit.capacity")
+    probe = audit_sub.add_parser("probe", help="boundary test: an over-length prompt must fail and leak nothing")
+    _lazy(probe, "kvxfer.tools.audit.probe")
+
+    keygen = sub.add_parser("keygen", help="key pairs for an authenticated control plane (CurveZMQ)",
+                            description="Write DIR/NAME/ for every NAME: its key pair (self.key_secret, mode 0600) "
+                                        "and the public keys of all the NAMEs (trusted/). Give each engine its "
+                                        "directory as EngineConfig(keyring=...) or KVXFER_KEYRING.")
+    keygen.add_argument("directory")
+    keygen.add_argument("names", nargs="+", metavar="NAME", help="engine or node names, e.g. prefill0 decode0")
+    keygen.add_argument("--force", action="store_true", help="replace existing keyrings of these names")
+    keygen.set_defaults(func=_keygen)
+
+    toy = sub.add_parser("serve-toy", help="a toy HTTP model on kvxfer engines to probe (safe or --unsafe-legacy)")
+    toy.add_argument("--host", default="127.0.0.1")
+    toy.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    toy.add_argument("--page-size", type=int, default=16)
+    toy.add_argument("--prefill-pages", type=int, default=256)
+    toy.add_argument("--decode-pages", type=int, default=2048)
+    toy.add_argument("--context", type=int, default=32768, help="advertised context length (tokens)")
+    toy.add_argument("--token-cost-us", type=float, default=50.0, help="simulated prefill time per token")
+    toy.add_argument("--unsafe-legacy", action="store_true", help="reproduce the incident (placeholder prefill)")
+    toy.add_argument("--max-seconds", type=float, default=None, help="stop serving after this long")
+    toy.set_defaults(func=_serve_toy)
+
+    simulate = sub.add_parser("simulate", help="exposure simulation of the incident path over the real page ledger")
+    _lazy(simulate, "kvxfer.tools.simulate")
+    return parser
+
+
+def _lazy(parser: argparse.ArgumentParser, module: str) -> None:
+    """A subcommand whose options and body live in ``module`` (imported only when used)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    mod.add_arguments(parser)
+    parser.set_defaults(func=mod.main)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..wire.auth import write_cluster
+
+    try:
+        paths = write_cluster(args.directory, args.names, force=args.force)
+    except ConfigError as exc:
+        print(f"kvxfer keygen: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(f"{path}: key pair and {len(args.names)} trusted public keys")
+    return 0
+
+
+def _serve_toy(args: argparse.Namespace) -> int:
+    from .toy import ToyConfig, serve
+
+    return serve(ToyConfig(host=args.host, port=args.port, page_size=args.page_size,
+                           prefill_pages=args.prefill_pages, decode_pages=args.decode_pages, context=args.context,
+                           token_cost_us=args.token_cost_us, unsafe_legacy=args.unsafe_legacy,
+                           max_seconds=args.max_seconds))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+
+    defaults = BenchConfig()
+    total = _size(args.total) if args.total else (defaults.total_bytes if args.transport == "tcp" else 64 << 20)
+    config = BenchConfig(
+        transport=args.transport,
+        total_bytes=total,
+        total_bytes_small_pages=_size(args.total_small) if args.total_small else None,
+        page_sizes=[_size(p) for p in args.page_bytes] if args.page_bytes else defaults.page_sizes,
+        request_bytes=_size(args.request_bytes),
+        concurrency=args.concurrency,
+        repeat=args.repeat,
+        checks=args.checks,
+        baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
+        ib_device=args.ib_device,
+        gid_index=args.gid_index,
+    )
+    return run_bench(config, json_path=args.json)
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = str(text).strip().lower().rstrip("ib")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _verbs_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ib-device", default=None, help="verbs: RDMA device (default: first with an active port)")
+    parser.add_argument("--gid-index", type=int, default=None,
+                        help="verbs: GID index (default: first RoCE v2 IPv4-mapped GID)")
+
+
+def _fault_names() -> list[str]:
+    from .stress.workload import ALL_FAULTS
+
+    return list(ALL_FAULTS)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+STOPPABLE = ("demo", "stress", "bench", "serve-toy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in STOPPABLE:
+        from .procs import run_stoppable
+
+        return run_stoppable(f"kvxfer {args.command}", lambda: int(args.func(args) or 0))
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The control plane: ZMQ sockets carrying :mod:`kvxfer.wire.messages` between engines.
+
+Each engine binds one ROUTER socket (its control address) and opens one DEALER per peer address,
+with the engine id as its routing identity, so every inbound message arrives as
+``(sender engine id, bytes)``. Only the engine's control thread receives; sends may come from any
+thread and are serialised per socket. ZMQ's own ``MAXMSGSIZE`` drops oversized messages before they
+reach the decoder, and sends never block: a full queue raises :class:`PeerError`.
+
+With a :class:`~kvxfer.wire.auth.Keyring` the plane is authenticated (CurveZMQ): the ROUTER accepts
+only clients whose public key the keyring trusts (a ZAP handler decides; denials and failed
+handshakes become control events), DEALERs connect only to addresses carrying a trusted server key,
+and each routing identity is bound to the key it first arrived with, so an authenticated engine
+cannot speak under another engine's name. Without a keyring the plane is open, and says so once.
+
+Invariants: sockets are closed exactly once (``close()`` is idempotent); nothing here interprets a
+message, it only moves bytes; with a keyring no message from an unauthenticated peer is delivered.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ..errors import PeerError
+from . import messages as m
+from .auth import Keyring, split_address, z85_to_hex
+
+log = logging.getLogger("kvxfer.control")
+ZAP_DOMAIN = "kvxfer"
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MAX_BOUND = 65536
+
+
+class _Gatekeeper(ThreadAuthenticator):
+    """ZAP handler: admits a CURVE client only if the keyring trusts its key; reports denials."""
+
+    def __init__(self, ctx: zmq.Context, keyring: Keyring, on_denied: Any) -> None:
+        super().__init__(ctx, log=logging.getLogger("kvxfer.control.zap"))
+        self._keyring = keyring
+        self._on_denied = on_denied
+        self._address = "?"
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # the credentials provider
+        trusted = self._keyring.is_trusted(key)
+        if not trusted:
+            self._on_denied(key, self._address)
+        return trusted
+
+
+class ControlPlane:
+    def __init__(self, engine_id: str, *, host: str = "127.0.0.1", port: int = 0,
+                 keyring: Keyring | None = None) -> None:
+        self.engine_id = engine_id
+        self.keyring = keyring
+        self.events: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=10_000)
+        self._ctx = zmq.Context()
+        self._gate: _Gatekeeper | None = None
+        self._monitor: zmq.Socket | None = None
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES + 4096)
+        self._router.setsockopt(zmq.RCVHWM, 100_000)
+        if keyring is not None:
+            self._gate = _Gatekeeper(self._ctx, keyring, self._denied)
+            self._gate.start()
+            self._gate.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._gate)
+            self._router.curve_server = True
+            self._router.curve_publickey = keyring.public
+            self._router.curve_secretkey = keyring.secret
+            self._router.zap_domain = ZAP_DOMAIN.encode()
+            self._monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            if port:
+                self._router.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._shutdown_sockets()
+            raise
+        self.endpoint = f"tcp://{host}:{port}"
+        self.address = keyring.address(self.endpoint) if keyring is not None else self.endpoint
+        self._bound: dict[str, bytes] = {}  # routing identity -> the client key it authenticated with
+        self._out: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._out_lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
+        self._closed = False
+        self.sent = 0
+        self.received = 0
+        if keyring is None:
+            log.warning("%s: control plane is NOT authenticated (no keyring): any host that reaches %s can "
+                        "peer with this engine", engine_id, self.endpoint)
+
+    def _denied(self, key: bytes, address: str) -> None:
+        """ZAP thread: a handshake with an untrusted key (appended; the control thread reports it)."""
+        self.events.append(("auth_denied", {"peer_address": address, "client_key": z85_to_hex(key),
+                                            "why": "public key not in this engine's keyring"}))
+
+    def _dealer(self, address: str) -> tuple[zmq.Socket, threading.Lock]:
+        with self._out_lock:
+            if self._closed:
+                raise PeerError("control plane is closed")
+            entry = self._out.get(address)
+            if entry is None:
+                endpoint, server_key = split_address(address)
+                if self.keyring is None and server_key is not None:
+                    raise PeerError(f"{address} requires authenticated peers; give this engine a keyring")
+                if self.keyring is not None:
+                    if server_key is None:
+                        raise PeerError(f"refusing to connect to {address}: no server key in the address, and "
+                                        "this engine only talks to authenticated peers")
+                    if not self.keyring.is_trusted(server_key):
+                        raise PeerError(f"refusing to connect to {address}: its key is not in this engine's "
+                                        "keyring")
+                sock = self._ctx.socket(zmq.DEALER)
+                if self.keyring is not None:
+                    sock.curve_serverkey = server_key
+                    sock.curve_publickey = self.keyring.public
+                    sock.curve_secretkey = self.keyring.secret
+                sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.setsockopt(zmq.IMMEDIATE, 0)
+                sock.connect(endpoint)
+                entry = (sock, threading.Lock())
+                self._out[address] = entry
+            return entry
+
+    def send(self, address: str, msg: m.Message) -> None:
+        """Queue ``msg`` for the engine at ``address``; raises :class:`PeerError` if it cannot."""
+        data = m.encode(msg)
+        self.send_raw(address, data)
+
+    def send_raw(self, address: str, data: bytes) -> None:
+        sock, lock = self._dealer(address)
+        with lock:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise PeerError(f"control queue to {address} is full (peer not reading?)") from None
+            except zmq.ZMQError as exc:
+                raise PeerError(f"cannot send to {address}: {exc}") from None
+        self.sent += 1
+
+    def receive(self, timeout_ms: int) -> list[tuple[str, bytes]]:
+        """Messages that arrived within ``timeout_ms`` (control thread only)."""
+        out: list[tuple[str, bytes]] = []
+        if self._closed:
+            return out
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._monitor is not None and self._monitor in ready:
+            self._read_monitor()
+        if self._router not in ready:
+            return out
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            except zmq.ZMQError:
+                return out
+            self.received += 1
+            identity = frames[0].bytes.decode("utf-8", "replace") if frames else "?"
+            if self.keyring is not None and not self._authenticated(identity, frames[-1]):
+                continue
+            if len(frames) != 2:
+                out.append((identity, b""))  # the decoder reports it as malformed
+                continue
+            out.append((identity, frames[1].bytes))
+            if len(out) >= 1000:
+                return out
+
+    def _authenticated(self, identity: str, frame: zmq.Frame) -> bool:
+        """Bind ``identity`` to the key it authenticated with; refuse it under any other key."""
+        try:
+            key = frame.get("User-Id").encode()
+        except (zmq.ZMQError, AttributeError):  # pragma: no cover - CURVE always sets it
+            key = b""
+        bound = self._bound.get(identity)
+        if bound is None:
+            if len(self._bound) >= _MAX_BOUND:
+                self._bound.pop(next(iter(self._bound)))
+            self._bound[identity] = key
+            return True
+        if bound == key:
+            return True
+        self.events.append(("impersonation_refused", {
+            "peer": identity, "client_key": z85_to_hex(key) if len(key) == 40 else "?",
+            "why": f"engine id {identity!r} is bound to key {z85_to_hex(bound)[:16]}..., "
+                   f"this message came with another key ({self.keyring.label(key) if self.keyring else '?'})",
+        }))
+        return False
+
+    def _read_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            kind = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "denied by the key check",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security handshake failed (no or wrong mechanism)",
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "security handshake failed"}.get(event["event"])
+            if kind is not None and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                # AUTH failures were already reported, with the key, by the ZAP handler
+                self.events.append(("auth_denied", {"why": kind, "code": event.get("value"),
+                                                    "endpoint": event.get("endpoint", b"").decode("utf-8", "replace")}))
+
+    def drain_events(self) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def forget(self, address: str) -> None:
+        with self._out_lock:
+            entry = self._out.pop(address, None)
+        if entry is not None:
+            with entry[1]:
+                entry[0].close(0)
+
+    def close(self) -> None:
+        with self._out_lock:
+            if self._closed:
+                return
+            self._closed = True
+            entries = list(self._out.values())
+            self._out.clear()
+        for sock, lock in entries:
+            with lock:
+                sock.close(0)
+        self._shutdown_sockets()
+
+    def _shutdown_sockets(self) -> None:
+        if self._monitor is not None:
+            self._router.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        self._router.close(0)
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
+        self._ctx.term()

@@ -8,7 +8,7 @@
 // item's bytes; the host combines them into the request checksum exactly as it combines per-page
 // checksums taken on the CPU (kvxfer.checksum.combine).
 //
-// Compiled to PTX by tools/gen_ptx.py (kept in kvxfer/gpu/kvxfer_gpu.ptx); the driver JIT-compiles
+// Compiled to PTX by tools/gen_ptx.py (kept in kvxfer/core/gpu/kvxfer_gpu.ptx); the driver JIT-compiles
 // it for the GPU at hand, so no compiler is needed where kvxfer runs.
 
 typedef unsigned char u8;

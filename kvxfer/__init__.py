@@ -5,6 +5,7 @@ it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConf
 Errors live in :mod:`kvxfer.errors`. Heavy and GPU-only dependencies are imported lazily.
 """
 
+from ._version import __version__
 from .core.layout import KVLayout
 from .core.ledger import AllocPolicy, PageState
 from .core.lifecycle import ReceiverState, SenderState
@@ -22,8 +23,6 @@ from .errors import (
     VerificationFailed,
     WriteRefused,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdmissionRejected",

@@ -184,6 +184,8 @@ class TransferFailed(KvxferError):
 
 
 class TransferAborted(TransferFailed):
+    """The transfer was aborted (by the caller or by the peer) rather than failing on its own."""
+
     code = "aborted"
 
 
@@ -206,6 +208,8 @@ class TransportError(KvxferError):
 
 
 class EngineClosed(KvxferError):
+    """The engine was closed; it takes no further calls."""
+
     code = "closed"
 
 

@@ -98,10 +98,46 @@ class Pair:
                 assert np.array_equal(kv.buffer(b), self.prefill.layout.views()[b][src])
 
 
+def transport_params() -> list[Any]:
+    """One pytest param per registered transport; verbs carries the ``verbs`` mark (it runs inside the
+    soft-RoCE VM), and a transport this machine cannot run is skipped with the reason."""
+    from kvxfer.transport import registry
+
+    params = []
+    for name in registry.names():
+        marks: list[Any] = [pytest.mark.verbs] if name == "verbs" else []
+        try:
+            ok, why = registry.available(name)
+        except ImportError as exc:
+            ok, why = False, str(exc)
+        if not ok:
+            reason = (f"{name}: runs inside the soft-RoCE VM (tools/softroce/run), where a verbs device exists"
+                      if name == "verbs" else f"transport {name} unavailable here: {why}")
+            marks.append(pytest.mark.skip(reason=reason))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.fixture(params=transport_params())
+def transport(request: pytest.FixtureRequest) -> str:
+    """The transport a suite runs over: a module with ``pytestmark = pytest.mark.usefixtures("transport")``
+    runs every test once per registered transport (the ``engines`` pairs use it)."""
+    return request.param
+
+
+def needs(pair: Any, capability: str) -> None:
+    """Skip the test unless the pair's transport declares ``capability`` (kvxfer.transport.base.Capabilities)."""
+    caps = pair.decode.capabilities
+    if not getattr(caps, capability):
+        pytest.skip(f"transport {pair.decode.config.transport} has no {capability}")
+
+
 @pytest.fixture
-def engines() -> Iterator[Callable[..., Pair]]:
-    """Factory of connected (prefill, decode) pairs; every engine's accounting is checked at teardown."""
+def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
+    """Factory of connected (prefill, decode) pairs; every engine's accounting is checked at teardown.
+    Over the test's ``transport`` when it uses that fixture, else tcp."""
     made: list[Any] = []
+    default_transport = request.getfixturevalue("transport") if "transport" in request.fixturenames else "tcp"
 
     def factory(
         *,
@@ -115,6 +151,9 @@ def engines() -> Iterator[Callable[..., Pair]]:
         **common: Any,
     ) -> Pair:
         context = max_context or prefill_pages * PAGE_TOKENS
+        common.setdefault("transport", default_transport)
+        if common["transport"] == "verbs":
+            common.setdefault("peer_timeout", 60.0)  # the emulated VM can stall a heartbeat for seconds
         base = EngineConfig(max_context=context, heartbeat_interval=0.2, **common)
         faults = FaultInjector(seed=1)
         rings = Keyring.cluster(["prefill", "decode"]) if keyed else {"prefill": None, "decode": None}

@@ -79,7 +79,7 @@ def test_run_lengths_that_wrap_are_a_protocol_error():
     header = f.parse_header(f.write_header(fuzzing.FUZZ_SLOT, fuzzing.FUZZ_GEN, 2, ITEM))
     with pytest.raises(ProtocolError, match="at most"):
         f.parse_runs(header, table)
-    from kvxfer.transport.verbs import parse_write_log
+    from kvxfer.wire.frames import parse_write_log
 
     with pytest.raises(ProtocolError, match="write log run of"):
         parse_write_log(table)

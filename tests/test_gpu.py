@@ -263,7 +263,8 @@ def _staged_pair(checksum: str, *, decode_pages: int = 1024, item: int = 2048):
     def layout(pages: int) -> KVLayout:
         return KVLayout.allocate(num_buffers=3, item_len=item, num_pages=pages, page_size=PAGE_TOKENS)
 
-    config = EngineConfig(max_context=300 * PAGE_TOKENS, checksum=checksum, extra={"tcp_staging": "host"})
+    config = EngineConfig(max_context=300 * PAGE_TOKENS, checksum=checksum,
+                          transport_options={"tcp": {"staging": "host"}})
     prefill = PrefillEngine(layout(300), config)
     decode = DecodeEngine(layout(decode_pages), EngineConfig(**{**config.to_dict(), "alloc_policy": "random",
                                                                 "seed": 3}))
@@ -302,7 +303,7 @@ def test_staged_tcp_still_catches_a_flipped_byte():
     def layout(pages: int) -> KVLayout:
         return KVLayout.allocate(num_buffers=2, item_len=1024, num_pages=pages, page_size=PAGE_TOKENS)
 
-    config = EngineConfig(max_context=64 * PAGE_TOKENS, extra={"tcp_staging": "host"})
+    config = EngineConfig(max_context=64 * PAGE_TOKENS, transport_options={"tcp": {"staging": "host"}})
     faults = FaultInjector(seed=2)
     with PrefillEngine(layout(64), config, faults=faults) as prefill, DecodeEngine(layout(64), config) as decode:
         peer = decode.connect(prefill.address)
@@ -317,9 +318,9 @@ def test_staged_tcp_still_catches_a_flipped_byte():
 
 
 def test_unknown_staging_is_refused():
-    with pytest.raises(ConfigError, match="unknown tcp staging"):
+    with pytest.raises(ConfigError, match="tcp option 'staging' is 'gpu'"):
         DecodeEngine(KVLayout.allocate(num_buffers=1, item_len=64, num_pages=16, page_size=PAGE_TOKENS),
-                     EngineConfig(max_context=16 * PAGE_TOKENS, extra={"tcp_staging": "gpu"}))
+                     EngineConfig(max_context=16 * PAGE_TOKENS, transport_options={"tcp": {"staging": "gpu"}}))
 
 
 # without a GPU: clear errors ------------------------------------------------------------------------

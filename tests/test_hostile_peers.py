@@ -1,4 +1,4 @@
-"""Hostile and broken peers over tcp, on an authenticated control plane.
+"""Hostile and broken peers over every transport, on an authenticated control plane.
 
 Each behaviour gets a clear refusal, loses nothing (the honest requests still complete, byte-exact)
 and exposes nothing (no page becomes readable that holds bytes its reader did not get written, every
@@ -23,9 +23,10 @@ from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 from kvxfer.wire.auth import Keyring, split_address, z85_to_hex
 
-from .conftest import PAGE_TOKENS, fill_random, make_layout, wait_for
+from .conftest import PAGE_TOKENS, fill_random, make_layout, needs, wait_for
 
 R, S = ReceiverState, SenderState
+pytestmark = pytest.mark.usefixtures("transport")  # every test runs over every registered transport
 
 
 @contextmanager
@@ -49,6 +50,7 @@ def raw_peer(address: str, *, ring: Keyring | None, identity: str) -> Iterator[z
 
 def _write(pair, slot: int, gen: int, page: int, fill: int, buffer: int = 0) -> None:
     """One raw page write on the prefill's data connection, tagged (slot, gen)."""
+    needs(pair, "raw_frames")
     item = int(pair.decode.layout.item_lens[buffer])
     header = f.write_header(slot, gen, 1, item)
     runs = f.pack_runs(np.array([buffer]), np.array([page * item]), np.array([item]))
@@ -253,7 +255,8 @@ def test_a_destination_from_the_wrong_decode_is_refused(engines):
     rings = Keyring.cluster(["prefill", "decode", "thief"])
     pair = engines(prefill_config={"keyring": rings["prefill"]}, decode_config={"keyring": rings["decode"]})
     thief = DecodeEngine(make_layout(64), EngineConfig(max_context=64 * PAGE_TOKENS, keyring=rings["thief"],
-                                                       heartbeat_interval=0.2))
+                                                       heartbeat_interval=0.2,
+                                                       transport=pair.decode.config.transport))
     try:
         thief_peer = thief.connect(pair.prefill.address)
         pair.prefill.admit("secret", 2 * PAGE_TOKENS, peer=pair.decode.engine_id)
@@ -279,7 +282,8 @@ def test_a_flood_of_destinations_for_unknown_requests_is_capped(engines):
     rings = Keyring.cluster(["prefill", "decode", "flooder"])
     pair = engines(prefill_config={"keyring": rings["prefill"], "max_pending_meta": 32},
                    decode_config={"keyring": rings["decode"]})
-    with DecodeEngine(make_layout(16), EngineConfig(max_context=16 * PAGE_TOKENS, keyring=rings["flooder"])) as flooder:
+    with DecodeEngine(make_layout(16), EngineConfig(max_context=16 * PAGE_TOKENS, keyring=rings["flooder"],
+                                                          transport=pair.decode.config.transport)) as flooder:
         flooder.connect(pair.prefill.address)
         for i in range(400):
             meta = m.Meta(rid=f"flood-{i}", gen=10 + i, slot=1, tokens=PAGE_TOKENS, pages=np.array([0], dtype=np.uint32))
@@ -372,3 +376,35 @@ def test_reader_vanishing_at_any_step_frees_the_writers_sources(engines, step):
     final = pair.prefill.wait("r", timeout=10)
     assert final.state in (S.FAILED, S.ABORTED)
     wait_for(lambda: pair.prefill.pool.ledger.free_count == pair.prefill.layout.num_pages, what="sources freed")
+
+
+def test_a_peer_speaking_the_old_protocol_version_is_told_why(engines):
+    """A version-1 engine's HELLO is refused, counted, and answered with an ERROR naming both versions
+    at the address the HELLO gave, so the old peer's log says why it cannot peer (open control plane:
+    an old engine has no key in this cluster's keyring)."""
+    import msgpack
+
+    pair = engines(prefill_config={"keyring": None}, decode_config={"keyring": None})
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.ROUTER)
+    inbox.setsockopt(zmq.LINGER, 0)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with raw_peer(pair.prefill.address, ring=None, identity="old-decode") as sock:
+            body = {"engine": "old-decode", "role": "decode", "session": bytes(16),
+                    "reply_to": f"tcp://127.0.0.1:{port}", "transport": "tcp", "data_addr": "127.0.0.1:1"}
+            sock.send(msgpack.packb([1, "HELLO", body], use_bin_type=True))
+            assert inbox.poll(5000), "no ERROR came back to the old peer"
+            _identity, data = inbox.recv_multipart()
+        version, kind, reply = msgpack.unpackb(data, raw=False)
+        assert (version, kind) == (m.PROTOCOL_VERSION, "ERROR")
+        assert reply["code"] == "protocol_version"
+        assert "unsupported protocol version 1 (this engine speaks 2)" in reply["detail"]
+        assert pair.prefill.counters["malformed_messages"] == 1
+        assert "old-decode" not in pair.prefill.peers
+    finally:
+        inbox.close(0)
+        ctx.term()
+    src = pair.transfer("after", 2 * PAGE_TOKENS)  # the engines keep serving
+    assert pair.decode.wait("after").state is R.READABLE
+    pair.expect_content("after", src)

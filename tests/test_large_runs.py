@@ -38,8 +38,9 @@ CHILD = textwrap.dedent(
 
     staging, checksum, item, pages, buffers = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     PT = 16
-    extra = {"tcp_staging": "host"} if staging == "host" else {}
-    config = EngineConfig(max_context=pages * PT, checksum=checksum, extra=extra, transfer_timeout=300.0)
+    options = {"tcp": {"staging": "host"}} if staging == "host" else {}
+    config = EngineConfig(max_context=pages * PT, checksum=checksum, transport_options=options,
+                          transfer_timeout=300.0)
 
     def layout():
         return KVLayout.allocate(num_buffers=buffers, item_len=item, num_pages=pages, page_size=PT)
@@ -208,7 +209,8 @@ def test_a_write_frame_larger_than_the_staging_buffer_is_refused_before_its_payl
     def layout(pages: int) -> KVLayout:
         return KVLayout.allocate(num_buffers=1, item_len=item, num_pages=pages, page_size=PAGE_TOKENS)
 
-    config = EngineConfig(max_context=40 * PAGE_TOKENS, heartbeat_interval=0.2, extra={"tcp_staging": "host"})
+    config = EngineConfig(max_context=40 * PAGE_TOKENS, heartbeat_interval=0.2,
+                          transport_options={"tcp": {"staging": "host"}})
     with PrefillEngine(layout(40), config) as prefill, DecodeEngine(layout(40), config) as decode:
         peer = decode.connect(prefill.address)
         prefill.admit("big", 34 * PAGE_TOKENS)

@@ -185,7 +185,7 @@ def check_dmabuf() -> None:
             record("RDMA registration of GPU memory", True, f"skipped: {why}")
         else:
             layout = layout_over([buffer], 64)
-            device = VerbsDevice(VerbsOptions.from_config({}), layout, remote_write=True)
+            device = VerbsDevice(VerbsOptions(), layout, remote_write=True)
             path = device.buffer_mr[0].path
             record("RDMA registration of GPU memory", True, f"{device.name}: registered through {path}")
             device.close()

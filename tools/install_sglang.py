@@ -28,7 +28,7 @@ LIGHT = [
 # real servers on the CPU): the HTTP stack, SGLang's imports at server start, the router.
 SERVER = [
     "uvloop", "fastapi", "uvicorn", "setproctitle", "openai==2.8.0", "partial_json_parser", "einops", "soundfile",
-    "python-multipart", "sglang-router==0.3.2",
+    "python-multipart", "jsonschema", "sglang-router==0.3.2",
 ]
 NO_DEPS = ["xgrammar"]  # its dependency list would replace the pinned torch
 
@@ -43,8 +43,12 @@ def installed(spec: str) -> bool:
 
 
 def importable() -> bool:
+    # what the servers the e2e test starts import, not only the classes kvxfer subclasses: a missing
+    # server dependency must fail here, at install time, not as a server that exits at start
     code = ("import sglang.srt.disaggregation.utils, sglang.srt.disaggregation.common.conn, "
-            "sglang.srt.disaggregation.base.conn")
+            "sglang.srt.disaggregation.base.conn, sglang.srt.entrypoints.http_server, sglang.launch_server, "
+            "sglang.srt.managers.scheduler, sglang.srt.managers.tokenizer_manager, "
+            "sglang.srt.managers.detokenizer_manager, sglang_router.launch_router")
     return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True).returncode == 0
 
 
@@ -63,7 +67,7 @@ def main() -> int:
     if not installed(SGLANG):
         subprocess.run(pip + ["--no-deps", SGLANG], check=True)
     if not importable():
-        print("sglang installed but its disaggregation modules do not import", file=sys.stderr)
+        print("sglang installed but its disaggregation or server modules do not import", file=sys.stderr)
         return 1
     print(f"{SGLANG} ready (disaggregation classes import)")
     return 0

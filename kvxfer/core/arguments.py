@@ -15,8 +15,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
-from ..wire.messages import MAX_RID_STR, U64
 
+# The limits of ``protocol/SPEC.md`` §2.1 that callers' values must meet. They are the core's rules;
+# the wire encodes within them (kvxfer.wire.messages declares the same values, and the core never
+# imports the wire: tests/test_layers.py checks that the two agree).
+MAX_RID_STR = 512  # characters in a string request id
+U64 = (1 << 64) - 1  # the largest integer request id, generation or counter
 MAX_AUX_BYTES = 1 << 20  # DONE.aux
 
 

@@ -20,6 +20,10 @@ from .layout import KVLayout
 
 
 class ChecksumAlgo(str, enum.Enum):
+    """The transfer checksum both roles compute in the canonical order (``none``: benchmarks only).
+
+    ``initial`` and ``update`` fold bytes into a running value exactly as zlib's adler32/crc32 do."""
+
     ADLER32 = "adler32"
     CRC32 = "crc32"
     NONE = "none"  # benchmarks only ("checks off"): no checksum is computed or compared

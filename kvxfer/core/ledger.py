@@ -25,6 +25,8 @@ from ..errors import ConfigError, LedgerInvariantError, PageStateError, PoolExha
 
 
 class PageState(enum.IntEnum):
+    """The state of one page in the ledger; every page is in exactly one (see the module's invariants)."""
+
     FREE = 0
     """On the free list; may hold a previous owner's bytes (unless the free policy scrubbed it)."""
     RESERVED = 1

@@ -25,6 +25,8 @@ from ..errors import IllegalTransition
 
 
 class ReceiverState(str, enum.Enum):
+    """A request's state on the receiving (decode) role; legal moves are :data:`RECEIVER_TRANSITIONS`."""
+
     NEW = "NEW"
     REJECTED = "REJECTED"  # admission refused (here or by the writer before writing); terminal
     RESERVED = "RESERVED"  # pages reserved, writes of this generation may land
@@ -38,6 +40,8 @@ class ReceiverState(str, enum.Enum):
 
 
 class SenderState(str, enum.Enum):
+    """A request's state on the sending (prefill) role; legal moves are :data:`SENDER_TRANSITIONS`."""
+
     NEW = "NEW"
     REJECTED = "REJECTED"  # admission refused; terminal; never bootstraps, allocates or writes
     ADMITTED = "ADMITTED"  # source pages held; waiting for the receiver's destination pages
@@ -88,6 +92,8 @@ SENDER_HAPPY = frozenset({S.NEW, S.ADMITTED, S.READY, S.TRANSFERRING, S.DONE_SEN
 
 @dataclass
 class Transition:
+    """One entry of a :class:`Lifecycle`'s history: states by value, the reason, ``time.monotonic()``."""
+
     old: str
     new: str
     reason: str

@@ -4,6 +4,9 @@ A region owns (a reference to) the object that holds the memory, its base addres
 Host regions expose a writable ``uint8`` numpy view; that view is what the software transport
 receives into and what checksums read. GPU regions (torch CUDA tensors, cupy arrays) plug in here
 later with ``device == "cuda"``; nothing outside this module needs to know how a region was made.
+The base class, :class:`~kvxfer.core.region.MemoryRegion` (re-exported here), lives in
+:mod:`kvxfer.core.region` so that :mod:`kvxfer.core.gpu` builds on it without importing this module:
+the dependency runs one way, memory -> gpu (lazily) -> region.
 
 Invariants: a region never changes address or length after construction; its backing object stays
 referenced for the region's lifetime; ``close()`` is idempotent and only drops references (a
@@ -19,41 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-
-
-class MemoryRegion:
-    """Base class of registered memory. Subclasses set ``device``, ``address``, ``nbytes``."""
-
-    device: str = "cpu"
-
-    def __init__(self, address: int, nbytes: int, *, owner: Any, name: str = "") -> None:
-        if nbytes <= 0:
-            raise ConfigError(f"region {name or hex(address)} is empty")
-        self.address = int(address)
-        self.nbytes = int(nbytes)
-        self.name = name
-        self._owner = owner
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        self._closed = True
-        self._owner = None
-
-    def __enter__(self) -> MemoryRegion:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(name={self.name!r}, device={self.device}, "
-            f"address={self.address:#x}, nbytes={self.nbytes})"
-        )
+from .region import MemoryRegion
 
 
 class HostRegion(MemoryRegion):

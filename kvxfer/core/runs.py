@@ -18,6 +18,20 @@ import numpy as np
 
 from .layout import KVLayout
 
+# One run as WRITE frames and DONE's write log carry it (``protocol/SPEC.md`` §3): buffer, flags (0),
+# destination offset, length, little-endian. It is the runs' own record, so it lives with them;
+# :mod:`kvxfer.wire.frames` frames and checks tables of it.
+RUN_DTYPE = np.dtype([("buffer", "<u4"), ("flags", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+
+
+def pack_runs(buffers: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Runs as :data:`RUN_DTYPE` records back to back (a WRITE frame's body, DONE's write log)."""
+    runs = np.zeros(len(buffers), dtype=RUN_DTYPE)
+    runs["buffer"] = buffers
+    runs["offset"] = offsets
+    runs["length"] = lengths
+    return runs.tobytes()
+
 
 @dataclass
 class WriteBatch:
@@ -54,8 +68,6 @@ class WriteBatch:
 
     def log_bytes(self) -> bytes:
         """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""
-        from ..wire.frames import pack_runs
-
         return pack_runs(self.buffers, self.dst_offsets, self.lengths)
 
     def __len__(self) -> int:

@@ -29,6 +29,9 @@ MAX_GENERATION = (1 << 64) - 1
 
 @dataclass(frozen=True, order=True)
 class Tag:
+    """The ``(slot, generation)`` a write carries; valid by construction: slot in [0, ``MAX_SLOTS``),
+    generation in [1, 2**64)."""
+
     slot: int
     generation: int
 

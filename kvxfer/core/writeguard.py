@@ -66,6 +66,10 @@ def expand_runs(first_pages: np.ndarray, page_counts: np.ndarray) -> np.ndarray:
 
 
 class WriteGuard:
+    """The receiver's write permissions (windows by generation and slot) and coverage of what landed.
+
+    Every check and record runs under ``lock``, the engine's lock (see the module's invariants)."""
+
     def __init__(self, layout: KVLayout, ledger: PageLedger, lock: threading.RLock | None = None) -> None:
         self.layout = layout
         self.ledger = ledger

@@ -20,6 +20,7 @@ from typing import Any
 from ..core.layout import KVLayout
 from ..core.pool import PagePool, check_capacity
 from ..errors import ConfigError, EngineClosed, KvxferError, PeerError, ProtocolError
+from ..transport import registry
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
 from ..wire.control import ControlPlane
@@ -32,11 +33,30 @@ log = logging.getLogger("kvxfer.engine")
 ORDERED_MESSAGES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 
 
+class EngineHooks:
+    """Test seams an engine calls at a few points; the default does nothing. A
+    :class:`~kvxfer.transport.faults.FaultInjector` implements them for ``kvxfer stress`` and tests,
+    so no fault logic lives in the roles."""
+
+    def drop_message(self, msg: m.Message) -> bool:
+        """True: the prefill acts as if control message ``msg`` never arrived."""
+        return False
+
+    def retire_link(self, link: Any) -> bool:
+        """True: the hook keeps a replaced or fenced link (and closes it in :meth:`close`)."""
+        return False
+
+    def close(self) -> None:
+        """Release whatever the hooks kept."""
+
+
 def _engine_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class EngineBase:
+    """What both roles share: the page pool, control plane and control thread, events, metrics and close(); ``lock`` guards the role logic, its ledger and its write guard."""
+
     role = "engine"
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
@@ -50,6 +70,9 @@ class EngineBase:
         self.layout = layout
         self.config = config
         self.faults = faults
+        self.hooks: Any = faults if faults is not None else EngineHooks()
+        self.transport_factory = registry.get(config.transport)
+        self.capabilities = self.transport_factory.capabilities
         self.engine_id = config.engine_id or _engine_id(self.role)
         self.lock = threading.RLock()
         self.pool = PagePool(layout, alloc_policy=config.alloc_policy, free_policy=config.free_policy,
@@ -116,7 +139,7 @@ class EngineBase:
             log.warning("%s: malformed control message from %r: %s", self.engine_id, identity, exc)
             self._event("malformed_message", counter="malformed_messages", limit_key=identity, peer=identity,
                         error=str(exc)[:500])
-            self._reply_error(identity, "?", exc)
+            self._reply_error(identity, "?", exc, address=getattr(exc, "reply_to", None))
             return
         self._note_alive(identity)
         try:
@@ -128,8 +151,10 @@ class EngineBase:
                         code=exc.code, error=str(exc)[:500])
             self._reply_error(identity, msg.TYPE, exc, rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0))
 
-    def _reply_error(self, identity: str, about: str, exc: KvxferError, *, rid: Any = "?", gen: int = 0) -> None:
-        address = self._peer_address(identity)
+    def _reply_error(self, identity: str, about: str, exc: KvxferError, *, rid: Any = "?", gen: int = 0,
+                     address: str | None = None) -> None:
+        """ERROR back to a peer; ``address`` for one not peered yet (a HELLO of another protocol version)."""
+        address = self._peer_address(identity) or address
         if address is None:
             return
         try:
@@ -177,6 +202,7 @@ class EngineBase:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._close_transport()
+        self.hooks.close()
         self.control.close()
         if self.metrics is not None:
             self.metrics.close()

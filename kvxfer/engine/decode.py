@@ -10,8 +10,8 @@ from typing import Any
 from ..core.layout import KVLayout
 from ..core.lifecycle import ReceiverState
 from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
-from ..transport.tcp import TcpReceiver
 from ..wire import messages as m
 from .base import ORDERED_MESSAGES, EngineBase, _Worker
 from .config import EngineConfig
@@ -43,25 +43,12 @@ class DecodeEngine(EngineBase):
         )
         self.receiver.guard.on_refused = self._write_refused
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
-        self.transport: Any
+        self.receiver.guard.requires_final = self.capabilities.requires_final
+        hooks = ReceiverHooks(on_connect=self._on_data_connect, on_ordered=self.receiver.on_ordered,
+                              on_closed=self._on_data_closed)
         try:
-            if config.transport == "verbs":
-                from ..transport.verbs import VerbsReceiver
-
-                self.transport = VerbsReceiver(layout, self.receiver.guard, config.verbs_options(),
-                                               on_closed=self._on_data_closed)
-            else:
-                self.transport = TcpReceiver(
-                    layout,
-                    self.receiver.guard,
-                    host=config.host,
-                    port=config.data_port,
-                    on_connect=self._on_data_connect,
-                    on_ordered=self.receiver.on_ordered,
-                    on_closed=self._on_data_closed,
-                    checksum=config.checksum,
-                    staging=config.extra.get("tcp_staging"),
-                )
+            self.transport: ReceiverBackend = self.transport_factory.receiver(layout, self.receiver.guard, config,
+                                                                              hooks)
         except OSError as exc:
             self.control.close()
             self._verifier.close()
@@ -80,7 +67,7 @@ class DecodeEngine(EngineBase):
         session = secrets.token_bytes(16)
         hello = m.Hello(
             engine=self.engine_id, role="decode", session=session, reply_to=self.address,
-            transport=self.config.transport, data_addr=self.data_address,
+            transport=self.config.transport,
             page_size=self.layout.page_size, num_pages=self.layout.num_pages,
             item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
             max_context=self.config.max_context, checksum=self.config.checksum,
@@ -113,18 +100,17 @@ class DecodeEngine(EngineBase):
             raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
         if isinstance(msg, m.Heartbeat):
             return
-        if self.config.transport == "verbs":
-            if isinstance(msg, m.VerbsConnect):
-                self._on_verbs_connect(identity, msg)
-                return
-            if isinstance(msg, ORDERED_MESSAGES):
-                # The writer sent it only after every work request before it completed (drain proof).
-                conn = self.receiver.peers[identity].conn
-                if conn is None:
-                    raise PeerError(f"{msg.TYPE} from {identity!r}, which has no queue pair connected")
-                self.transport.sync(conn, msg.gen if isinstance(msg, m.Done) else None)
-                self.receiver.on_ordered(conn, msg)
-                return
+        if isinstance(msg, m.Accept):
+            self._on_accept(identity, msg)
+            return
+        if self.capabilities.ordered_via_control and isinstance(msg, ORDERED_MESSAGES):
+            # The writer sent it only after every write before it completed (drain proof).
+            conn = self.receiver.peers[identity].conn
+            if conn is None:
+                raise PeerError(f"{msg.TYPE} from {identity!r}, which has no data connection")
+            self.transport.sync(conn, msg.gen if isinstance(msg, m.Done) else None)
+            self.receiver.on_ordered(conn, msg)
+            return
         if isinstance(msg, m.Error):
             self.counters["peer_errors"] += 1
             log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
@@ -141,7 +127,6 @@ class DecodeEngine(EngineBase):
         raise ProtocolError(f"{msg.TYPE} is not a message a decode engine accepts")
 
     def _on_hello_ack(self, identity: str, msg: m.HelloAck) -> None:
-        refused_conn = None
         with self.lock:
             entry = self._pending_hello.get(msg.session)
             if entry is None:
@@ -154,48 +139,67 @@ class DecodeEngine(EngineBase):
                     )
                 except ConfigError as exc:
                     problem = str(exc)
-            early = entry.get("early_conn")
-            if problem or (early is not None and early[0] != identity):
-                entry["error"] = problem or f"data connection came from {early[0]!r}, not {identity!r}"
-                refused_conn = early
+            old = self.receiver.peers.get(identity)
+            if problem:
+                entry["error"] = problem
             else:
                 info = PeerInfo(
                     engine=identity, control=entry["address"], session=msg.session,
                     pool_tokens=msg.pool_tokens, max_context=msg.max_context, page_size=msg.page_size,
                     last_seen=time.monotonic(),
                 )
-                if early is not None:
-                    info.conn, info.epoch, info.ready = early, early[1], True
+                if old is not None:  # peering again: epochs keep increasing, the old connection goes
+                    info.epoch = max(old.epoch, old.offered)
                 self.receiver.add_peer(info)
                 entry["peer"] = identity
             self.receiver.changed.notify_all()
-        if refused_conn is not None:
-            self.transport.fence(refused_conn)
-        if self.config.transport == "verbs" and entry.get("peer") == identity:
-            self._offer_verbs(identity, msg.session, 1)
+        if problem:
+            return
+        if old is not None and old.conn is not None:
+            self.fence(old.conn, "peering replaced by a new HELLO", offer=False)
+        if old is not None and old.offered > old.epoch:
+            self.transport.withdraw(identity, old.offered)
+        self._offer(identity)
 
-    def _offer_verbs(self, identity: str, session: bytes, epoch: int) -> None:
-        """Create a queue pair for the writer under ``epoch`` and tell it (VERBS_INFO)."""
+    def _offer(self, identity: str) -> None:
+        """Prepare a data connection for ``identity`` under the next epoch and send OFFER."""
+        with self.lock:
+            info = self.receiver.peers.get(identity)
+            if info is None or self._closed:
+                return
+            stale = info.offered if info.offered > info.epoch else None
+            epoch = max(info.epoch, info.offered) + 1
+            info.offered = epoch
+            info.offered_at = time.monotonic()
+            info.reoffer_at = None
+            session = info.session
+        if stale is not None:
+            self.transport.withdraw(identity, stale)
         try:
-            offer = self.transport.open_peer(identity, session, epoch)
+            blob = self.transport.offer(identity, session, epoch)
         except Exception as exc:
-            log.error("%s: cannot create a queue pair for %s: %s", self.engine_id, identity, exc)
+            log.error("%s: cannot prepare a data connection for %s: %s", self.engine_id, identity, exc)
             with self.lock:
                 entry = next((e for e in self._pending_hello.values() if e.get("peer") == identity), None)
                 if entry is not None:
-                    entry["error"] = f"cannot create a queue pair: {exc}"
+                    entry["error"] = f"cannot prepare a data connection: {exc}"
+                info.reoffer_at = time.monotonic() + 1.0
                 self.receiver.changed.notify_all()
             return
-        self._send_to_peer(identity, offer)
+        self._send_to_peer(identity, m.Offer(epoch=epoch, blob=blob))
 
-    def _on_verbs_connect(self, identity: str, msg: m.VerbsConnect) -> None:
+    def _on_accept(self, identity: str, msg: m.Accept) -> None:
         with self.lock:
             info = self.receiver.peers[identity]
             if msg.engine != identity or not secrets.compare_digest(info.session, msg.session):
-                raise PeerError(f"VERBS_CONNECT from {identity!r} with a wrong session")
-            if msg.epoch <= info.epoch:
-                raise PeerError(f"VERBS_CONNECT epoch {msg.epoch} is not after {info.epoch}")
-        conn = self.transport.connect_peer(msg)
+                raise PeerError(f"ACCEPT from {identity!r} with a wrong session")
+            if msg.epoch != info.offered:
+                raise PeerError(f"ACCEPT for epoch {msg.epoch}, which is not the offered one ({info.offered})")
+            if info.epoch == msg.epoch:
+                return  # already connected under this epoch (its data path announced it first)
+        conn = self.transport.accept(identity, info.session, msg.epoch, msg.blob)
+        if conn is None:
+            return  # the data path announces the connection itself (CONNECT first)
         with self.lock:
             info.epoch = msg.epoch
             info.conn = conn
@@ -205,27 +209,14 @@ class DecodeEngine(EngineBase):
     def _on_data_connect(self, msg: m.Connect) -> Any:
         with self.lock:
             info = self.receiver.peers.get(msg.engine)
-            if info is None:
-                # The writer may open its data path before its HELLO_ACK reached us (two sockets).
-                entry = next((e for s, e in self._pending_hello.items()
-                              if secrets.compare_digest(s, msg.session)), None)
-                if entry is None or entry.get("early_conn") is not None:
-                    self._event("refused_connection", counter="refused_connections", peer=msg.engine,
-                                why="unknown session")
-                    log.warning("%s: data connection from %r refused: unknown session", self.engine_id, msg.engine)
-                    return None
-                entry["early_conn"] = (msg.engine, msg.epoch)
-                return entry["early_conn"]
-            if not secrets.compare_digest(info.session, msg.session):
-                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
-                            why="wrong session")
-                log.warning("%s: data connection from %r refused: wrong session", self.engine_id, msg.engine)
-                return None
-            if msg.epoch <= info.epoch:
-                self._event("refused_connection", counter="refused_connections", peer=msg.engine,
-                            why=f"epoch {msg.epoch} not after {info.epoch}")
-                log.warning("%s: data connection from %r refused: epoch %d not after %d",
-                            self.engine_id, msg.engine, msg.epoch, info.epoch)
+            why = ""
+            if info is None or not secrets.compare_digest(info.session, msg.session):
+                why = "unknown session" if info is None else "wrong session"
+            elif msg.epoch != info.offered or msg.epoch <= info.epoch:
+                why = f"epoch {msg.epoch} is not the offered one ({info.offered})"
+            if why:
+                self._event("refused_connection", counter="refused_connections", peer=msg.engine, why=why)
+                log.warning("%s: data connection from %r refused: %s", self.engine_id, msg.engine, why)
                 return None
             info.epoch = msg.epoch
             info.conn = (msg.engine, msg.epoch)
@@ -245,9 +236,19 @@ class DecodeEngine(EngineBase):
         self.counters["connections_lost"] += 1
         log.info("%s: data connection %s closed: %s", self.engine_id, conn, reason)
         self.receiver.on_connection_closed(conn, reason)
+        self._reoffer_soon(conn)
 
-    def fence(self, conn: Any, reason: str) -> bool:
-        """Fence a data connection: after this returns nothing from it can land. Never under lock."""
+    def _reoffer_soon(self, conn: Any) -> None:
+        """After connection ``conn`` ended: offer the next epoch from the control thread."""
+        with self.lock:
+            info = self.receiver.peers.get(conn[0])
+            if info is not None and info.epoch == conn[1] and info.offered <= info.epoch and not self._closed:
+                info.conn = None
+                info.reoffer_at = time.monotonic() + 0.05
+
+    def fence(self, conn: Any, reason: str, *, offer: bool = True) -> bool:
+        """Fence a data connection: after this returns nothing from it can land. Never under lock.
+        Then (``offer``) the peer is offered the next epoch."""
         closed = self.transport.fence(conn)
         if closed:
             self._event("fence", counter="fences", limit_key="", peer=conn[0], epoch=conn[1], reason=reason[:500])
@@ -255,9 +256,8 @@ class DecodeEngine(EngineBase):
             self.receiver.on_connection_closed(conn, f"fenced: {reason}")
             peer, epoch = conn
             self._send_to_peer(peer, m.Fenced(epoch=epoch, reason=reason[:4000]))
-            info = self.receiver.peers.get(peer)
-            if self.config.transport == "verbs" and info is not None and not self._closed:
-                self._offer_verbs(peer, info.session, epoch + 1)
+            if offer:
+                self._reoffer_soon(conn)
         return closed
 
     def _tick(self) -> None:
@@ -265,11 +265,19 @@ class DecodeEngine(EngineBase):
             self.fence(conn, reason)
         now = time.monotonic()
         dead = []
+        offers = []
         with self.lock:
             for info in self.receiver.peers.values():
+                if info.reoffer_at is not None and now >= info.reoffer_at:
+                    offers.append(info.engine)
+                elif (info.conn is None and info.offered > info.epoch
+                      and now - info.offered_at > self.config.peer_timeout):
+                    offers.append(info.engine)  # the OFFER went unanswered: a fresh one
                 if info.ready and now - info.last_seen > self.config.peer_timeout:
                     info.ready = False
                     dead.append(info)
+        for name in offers:
+            self._offer(name)
         for info in dead:
             self._event("dead_peer", counter="dead_peers", peer=info.engine, silent_s=round(now - info.last_seen, 3))
             log.warning("%s: peer %s silent for %.1f s: dead", self.engine_id, info.engine, now - info.last_seen)
@@ -343,6 +351,7 @@ class DecodeEngine(EngineBase):
     def stats(self) -> dict[str, Any]:
         with self.lock:
             self.receiver.drain_ended_leases()  # a read dropped just before this call has ended
+            data_path = self.transport.stats()
             return {
                 "engine": self.engine_id,
                 "role": self.role,
@@ -352,9 +361,9 @@ class DecodeEngine(EngineBase):
                 "requests": dict(self.receiver.stats),
                 "writes": self.receiver.guard.counters(),
                 "engine_counters": dict(self.counters),
-                "protocol_errors": self.transport.protocol_errors,
-                "data_path": {k: getattr(self.transport, k) for k in ("frames", "payload_seconds", "busy_seconds")
-                              if hasattr(self.transport, k)},
+                "transport": self.transport.name,
+                "protocol_errors": data_path.get("protocol_errors", 0),
+                "data_path": data_path,
                 "active": len(self.receiver.active),
             }
 

@@ -12,8 +12,8 @@ import numpy as np
 from ..core.layout import KVLayout
 from ..core.lifecycle import SenderState
 from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..transport.base import LinkRequest, SenderLink, SenderTransport
 from ..transport.faults import FaultInjector
-from ..transport.tcp import TcpLink
 from ..wire import messages as m
 from .base import EngineBase, _Worker
 from .config import EngineConfig
@@ -23,15 +23,15 @@ log = logging.getLogger("kvxfer.engine")
 
 @dataclass
 class _Peer:
+    """A decode this prefill peered with: its control address, session and current link."""
+
     engine: str
     control: str
     session: bytes
-    data_addr: str
-    link: TcpLink | None = None
-    epoch: int = 0
+    link: SenderLink | None = None
+    epoch: int = 0  # newest epoch accepted (the decode offers them)
     last_seen: float = 0.0
     alive: bool = True
-    reconnect_at: float | None = None
 
 
 class PrefillEngine(EngineBase):
@@ -54,18 +54,15 @@ class PrefillEngine(EngineBase):
             defer=self._checksummer.submit,
             observer=self._observe,
             max_pending_meta=config.max_pending_meta,
+            write_log=self.capabilities.write_log,
         )
         self.peers: dict[str, _Peer] = {}
-        self.verbs_device: Any = None
-        if config.transport == "verbs":
-            from ..transport.verbs import VerbsDevice
-
-            try:
-                self.verbs_device = VerbsDevice(config.verbs_options(), layout, remote_write=False)
-            except Exception:
-                self.control.close()
-                self._checksummer.close()
-                raise
+        try:
+            self.transport: SenderTransport = self.transport_factory.sender(layout, config)
+        except Exception:
+            self.control.close()
+            self._checksummer.close()
+            raise
         self._start()
 
     # peering ---------------------------------------------------------------------------------------
@@ -76,14 +73,13 @@ class PrefillEngine(EngineBase):
         peer = self.peers.get(identity)
         if peer is None:
             raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
-        if isinstance(msg, m.VerbsInfo):
-            self._open_verbs_link(peer, msg)
+        if self.hooks.drop_message(msg):
+            return
+        if isinstance(msg, m.Offer):
+            self._on_offer(peer, msg)
         elif isinstance(msg, m.Meta):
             self.sender.on_meta(identity, msg)
         elif isinstance(msg, m.Abort):
-            if self.faults is not None and self.faults.config.ignore_aborts:
-                self.faults.counts["ignored_abort"] += 1
-                return
             self.sender.on_abort(identity, msg)
         elif isinstance(msg, m.Result):
             self.sender.on_result(identity, msg)
@@ -127,84 +123,70 @@ class PrefillEngine(EngineBase):
             return
         with self.lock:
             old = self.peers.get(identity)
-            peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, data_addr=msg.data_addr,
+            peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session,
                          epoch=old.epoch if old else 0, last_seen=time.monotonic())
             self.peers[identity] = peer
         if old is not None and old.link is not None:
-            old.link.close(flush=False)
-        if self.config.transport == "tcp":
-            self._open_link(peer)
+            self._retire(old.link, "peering replaced by a new HELLO")
 
-    def _open_verbs_link(self, peer: _Peer, info: m.VerbsInfo) -> None:
-        """The decode offered a queue pair: connect ours to it and answer VERBS_CONNECT."""
-        from ..transport.verbs import VerbsLink
+    def _retire(self, link: SenderLink, reason: str) -> None:
+        """Settle the requests on ``link`` and close it (or hand it to the test hooks)."""
+        self.sender.on_connection_closed(link, reason)
+        if not self.hooks.retire_link(link):
+            link.close(flush=False)
 
-        if self.config.transport != "verbs":
-            raise PeerError("VERBS_INFO to an engine that does not run the verbs transport")
+    def _on_offer(self, peer: _Peer, msg: m.Offer) -> None:
+        """The decode offered a data connection under a new epoch: open our half, answer ACCEPT."""
         with self.lock:
-            old = peer.link
-            if old is not None and old.epoch >= info.epoch:
-                raise PeerError(f"VERBS_INFO epoch {info.epoch} is not after {old.epoch}")
-            peer.link = None
+            if msg.epoch <= peer.epoch:
+                raise PeerError(f"OFFER epoch {msg.epoch} is not after {peer.epoch}")
+            old, peer.link = peer.link, None
+            peer.epoch = msg.epoch
         if old is not None:
-            self.sender.on_connection_closed(old, "replaced by a new queue pair")
-            if self.faults is not None and self.faults.config.keep_fenced_links:
-                self.faults.stale_links.append(old)
-            else:
-                old.close(flush=False)
-        link = VerbsLink(self.layout, self.verbs_device, info, engine=self.engine_id, session=peer.session,
-                         send_control=lambda msg, name=peer.engine: self._send_to_peer(name, msg),
-                         on_closed=self._on_link_closed, faults=self.faults)
-        with self.lock:
-            peer.link = link
-            peer.epoch = info.epoch
-            peer.alive = True
-            self.sender.changed.notify_all()
-        self._send_to_peer(peer.engine, link.connect_message)
-
-    def _open_link(self, peer: _Peer) -> None:
-        peer.epoch += 1
-        connect = m.Connect(engine=self.engine_id, session=peer.session, epoch=peer.epoch)
+            self._retire(old, "replaced by a newer data connection")
+        request = LinkRequest(engine=self.engine_id, peer=peer.engine, session=peer.session, epoch=msg.epoch,
+                              blob=msg.blob, on_closed=self._on_link_closed,
+                              send_control=lambda out, name=peer.engine: self._send_to_peer(name, out),
+                              faults=self.faults)
         try:
-            link = TcpLink(self.layout, peer.data_addr, connect=connect, on_closed=self._on_link_closed,
-                           faults=self.faults, checksum=self.config.checksum,
-                           staging=self.config.extra.get("tcp_staging"))
-        except TransportError as exc:
-            log.warning("%s: %s", self.engine_id, exc)
+            link = self.transport.connect(request)
+        except (TransportError, ProtocolError) as exc:
+            log.warning("%s: cannot open the data connection %s offered (epoch %d): %s",
+                        self.engine_id, peer.engine, msg.epoch, exc)
+            self._event("connect_failed", peer=peer.engine, epoch=msg.epoch, error=str(exc)[:500])
             return
         with self.lock:
-            peer.link = link
-            peer.alive = True
-            self.sender.changed.notify_all()
+            if peer.epoch != msg.epoch or self.peers.get(peer.engine) is not peer:
+                stale = True  # a newer offer or peering arrived meanwhile
+            else:
+                stale = False
+                peer.link = link
+                peer.alive = True
+                self.sender.changed.notify_all()
+        if stale:
+            link.close(flush=False)
+            return
+        self._send_to_peer(peer.engine, m.Accept(engine=self.engine_id, session=peer.session, epoch=msg.epoch,
+                                                 blob=link.accept_blob))
 
-    def _on_link_closed(self, link: TcpLink, reason: str) -> None:
+    def _on_link_closed(self, link: SenderLink, reason: str) -> None:
         self.counters["connections_lost"] += 1
         log.info("%s: data connection %s closed: %s", self.engine_id, link.conn_id, reason)
         with self.lock:
             for peer in self.peers.values():
                 if peer.link is link:
-                    peer.link = None
-                    if not self._closed and self.config.transport == "tcp":
-                        peer.reconnect_at = time.monotonic() + 0.05
+                    peer.link = None  # the decode sees the end too and offers the next epoch
             self.sender.on_connection_closed(link, reason)
 
     def _on_fenced(self, peer: _Peer, msg: m.Fenced) -> None:
-        """The decode fenced our connection of epoch ``msg.epoch``: settle, then reconnect."""
+        """The decode fenced our connection of epoch ``msg.epoch``: settle; it offers the next one."""
         self._event("fenced_by_peer", peer=peer.engine, epoch=msg.epoch, reason=msg.reason[:500])
         with self.lock:
             link = peer.link
-            if link is not None and link.epoch == msg.epoch:
-                peer.link = None
-                self.sender.on_connection_closed(link, f"fenced by decode: {msg.reason}")
-                if self.faults is not None and self.faults.config.keep_fenced_links:
-                    self.faults.stale_links.append(link)
-                    link = None
-            else:
-                link = None
-            if peer.link is None and self.config.transport == "tcp":
-                peer.reconnect_at = time.monotonic()
-        if link is not None:
-            link.close(flush=False)
+            if link is None or link.epoch != msg.epoch:
+                return
+            peer.link = None
+        self._retire(link, f"fenced by decode: {msg.reason}")
 
     def _link_for(self, peer: str) -> Any:
         info = self.peers.get(peer)
@@ -213,12 +195,6 @@ class PrefillEngine(EngineBase):
     def _tick(self) -> None:
         self.sender.tick()
         now = time.monotonic()
-        for peer in list(self.peers.values()):
-            if peer.reconnect_at is not None and now >= peer.reconnect_at and peer.alive and peer.link is None:
-                peer.reconnect_at = None
-                self._open_link(peer)
-                if peer.link is None:
-                    peer.reconnect_at = now + 1.0
         dead = []
         with self.lock:
             for peer in self.peers.values():
@@ -249,12 +225,8 @@ class PrefillEngine(EngineBase):
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=True)
-        if self.faults is not None:
-            for link in self.faults.stale_links:
-                link.close(flush=False)
-            self.faults.stale_links.clear()
-        if self.verbs_device is not None:
-            self.verbs_device.close()
+        self.hooks.close()  # links kept by the test hooks go before the transport
+        self.transport.close()
         self._checksummer.close()
 
     # the API ---------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 
 class LeaseState(str, enum.Enum):
+    """Whether a :class:`KVRead` is open or closed; a closed lease's page views may still hold custody."""
+
     OPEN = "open"
     CLOSED = "closed"  # close() was called; views handed out may still hold custody
 

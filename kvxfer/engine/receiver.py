@@ -74,10 +74,15 @@ class PeerInfo:
     epoch: int = 0
     last_seen: float = 0.0
     fenced_epochs: set[int] = field(default_factory=set)
+    offered: int = 0  # newest epoch offered (OFFER); the writer connects under it
+    offered_at: float = 0.0
+    reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
 
 
 @dataclass
 class ReceiveRequest:
+    """One request on the decode side: lifecycle, generation, slot, reserved pages, read leases and outcome; its pages stay held while ``leases`` > 0."""
+
     rid: Any
     tokens: int
     peer: str
@@ -102,6 +107,8 @@ class ReceiveRequest:
 
 
 class Receiver:
+    """The decode role's logic without I/O: the request table, page pool, write guard and peers' capacities; called with ``lock`` held (see the module's invariants)."""
+
     def __init__(
         self,
         pool: PagePool,
@@ -393,7 +400,7 @@ class Receiver:
         if not msg.runs:
             return None
         from ..errors import ProtocolError, WriteRefused
-        from ..transport.verbs import parse_write_log
+        from ..wire.frames import parse_write_log
 
         try:
             runs = parse_write_log(msg.runs)

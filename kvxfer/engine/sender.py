@@ -105,6 +105,8 @@ class SenderLink(Protocol):
 
 @dataclass
 class SendRequest:
+    """One request on the prefill side: lifecycle, source pages, destination, and posted/completed write counts (quiescent when equal)."""
+
     rid: Any
     tokens: int
     fsm: Lifecycle
@@ -146,6 +148,8 @@ class SendRequest:
 
 
 class Sender:
+    """The prefill role's logic without I/O: admission, source pages, tagged writes, DONE and drain acknowledgements (see the module's invariants)."""
+
     def __init__(
         self,
         pool: PagePool,
@@ -161,8 +165,10 @@ class Sender:
         defer: Callable[[Callable[[], None]], None] | None = None,
         observer: Callable[[Lifecycle, Any, str], None] | None = None,
         max_pending_meta: int = 4096,
+        write_log: bool = False,
     ) -> None:
         self.pool = pool
+        self.write_log = write_log  # the transport's receiver cannot see writes land: DONE carries the log
         self._defer = defer
         self.layout = pool.layout
         self.max_context = int(max_context)
@@ -540,7 +546,7 @@ class Sender:
 
         algo_id = native_id(self.checksum)
         if (self._defer is None or algo_id is None or self.layout.device != "cpu"
-                or not getattr(batch.owner.link, "needs_write_log", False)):
+                or not self.write_log):
             return  # tcp takes the sums while sending (hot in cache); verbs posts without reading
         from ..core import native
 
@@ -569,7 +575,7 @@ class Sender:
         # checksums were computed meanwhile on the checksum thread (or it reads the pages once).
         done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=req.gen, aux=aux,
                            src=src, batches=list(req.batches),
-                           write_log=bool(getattr(req.link, "needs_write_log", False)))
+                           write_log=self.write_log)
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
         req.link.post_ordered(done, slot=req.slot, gen=req.gen)

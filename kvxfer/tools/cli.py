@@ -4,6 +4,11 @@ The jobs that run engines or child processes (``demo``, ``stress``, ``bench``, `
 cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGHUP: children stopped, temporary files removed, one line
 on stderr naming the job and the signal, exit status 128 + the signal's number
 (:func:`kvxfer.tools.procs.run_stoppable`).
+
+``demo``, ``stress`` and ``bench`` take their transport and its options from
+:meth:`kvxfer.EngineConfig.from_env` (``KVXFER_TRANSPORT``, ``KVXFER_IB_DEVICE``,
+``KVXFER_GID_INDEX``, ...); a flag given on the command line wins. The transports offered are
+:func:`kvxfer.transport.registry.names`.
 """
 
 from __future__ import annotations
@@ -11,14 +16,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
+
+# EngineConfig.from_env requires max_context; these commands size each engine themselves and take
+# only the transport settings from it.
+_ANY_CONTEXT = 1
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(json_path=args.json, transport=args.transport, verbose=args.verbose,
-                    verbs={"ib_device": args.ib_device, "gid_index": args.gid_index},
-                    metrics_port=args.metrics_port, linger=args.linger)
+    return run_demo(json_path=args.json, verbose=args.verbose, metrics_port=args.metrics_port,
+                    linger=args.linger, **args.engine)
 
 
 def _stress(args: argparse.Namespace) -> int:
@@ -29,14 +38,13 @@ def _stress(args: argparse.Namespace) -> int:
         name, _, rate = item.partition("=")
         faults[name.replace("-", "_")] = float(rate)
     config = StressConfig(
-        transport=args.transport,
+        **args.engine,
         requests=args.requests if args.requests is not None or args.duration is not None else 200,
         duration=args.duration, concurrency=args.concurrency,
         median_tokens=args.median_tokens, sigma=args.sigma, page_size=args.page_size, layers=args.layers,
         item_len=args.item_len, prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         context=args.context, alloc_policy=args.alloc_policy, free_policy=args.free_policy, seed=args.seed,
         max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
-        ib_device=args.ib_device, gid_index=args.gid_index,
     )
     return run_stress(config, json_path=args.json, report_path=args.report,
                       progress=False if args.no_progress else None)
@@ -53,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the scripted prefill/decode session on loopback (the main job)")
     demo.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
-    demo.add_argument("--transport", default="tcp", choices=["tcp", "verbs"], help="data transport (default tcp)")
-    _verbs_flags(demo)
+    _transport_flags(demo)
     demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
     demo.add_argument("--metrics-port", type=int, default=None, metavar="P",
                       help="serve Prometheus metrics: decode on P, prefill on P+1")
@@ -63,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
-    stress.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
-    _verbs_flags(stress)
+    _transport_flags(stress)
     stress.add_argument("--requests", type=int, default=None, help="requests to run (default 200 without --duration)")
     stress.add_argument("--duration", type=float, default=None, help="stop starting requests after S seconds")
     stress.add_argument("--concurrency", type=int, default=16)
@@ -93,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     stress.set_defaults(func=_stress)
 
     bench = sub.add_parser("bench", help="throughput against raw sockets / ib_write_bw and the peers, as ratios")
-    bench.add_argument("--transport", default="tcp", choices=["tcp", "verbs"])
-    _verbs_flags(bench)
+    _transport_flags(bench)
     bench.add_argument("--total", help="bytes per case (default 1G on tcp, 64M on verbs); K/M/G suffixes")
     bench.add_argument("--total-small", help="bytes for pages under 16 KiB (default: --total)")
     bench.add_argument("--page-bytes", action="append", help="page size (repeatable; default 64K and 4K)")
@@ -175,9 +180,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, run_bench
 
     defaults = BenchConfig()
-    total = _size(args.total) if args.total else (defaults.total_bytes if args.transport == "tcp" else 64 << 20)
+    transport = args.engine["transport"]
+    total = _size(args.total) if args.total else (defaults.total_bytes if transport == "tcp" else 64 << 20)
     config = BenchConfig(
-        transport=args.transport,
+        **args.engine,
         total_bytes=total,
         total_bytes_small_pages=_size(args.total_small) if args.total_small else None,
         page_sizes=[_size(p) for p in args.page_bytes] if args.page_bytes else defaults.page_sizes,
@@ -186,8 +192,6 @@ def _bench(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         checks=args.checks,
         baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
-        ib_device=args.ib_device,
-        gid_index=args.gid_index,
     )
     return run_bench(config, json_path=args.json)
 
@@ -200,10 +204,34 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _verbs_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ib-device", default=None, help="verbs: RDMA device (default: first with an active port)")
+def _transport_flags(parser: argparse.ArgumentParser) -> None:
+    """--transport (the registry's transports) and the verbs options; unset flags fall back to
+    KVXFER_* variables (EngineConfig.from_env), then to EngineConfig's defaults."""
+    from ..transport.registry import names
+
+    parser.add_argument("--transport", default=None, choices=names(),
+                        help="data transport (default: $KVXFER_TRANSPORT, else tcp)")
+    parser.add_argument("--ib-device", default=None,
+                        help="verbs: RDMA device (default: $KVXFER_IB_DEVICE, else the first with an active port)")
     parser.add_argument("--gid-index", type=int, default=None,
-                        help="verbs: GID index (default: first RoCE v2 IPv4-mapped GID)")
+                        help="verbs: GID index (default: $KVXFER_GID_INDEX, else the first RoCE v2 "
+                        "IPv4-mapped GID)")
+
+
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``transport`` and ``transport_options`` for the engines a command starts: the KVXFER_*
+    variables, then the flags given (EngineConfig.from_env); ConfigError for a bad variable."""
+    from ..engine.config import EngineConfig
+
+    overrides: dict[str, Any] = {}
+    if args.transport is not None:
+        overrides["transport"] = args.transport
+    verbs = {key: value for key, value in (("device", args.ib_device), ("gid_index", args.gid_index))
+             if value is not None}
+    if verbs:
+        overrides["transport_options"] = {"verbs": verbs}
+    config = EngineConfig.from_env(max_context=_ANY_CONTEXT, **overrides)
+    return {"transport": config.transport, "transport_options": config.to_dict()["transport_options"]}
 
 
 def _fault_names() -> list[str]:
@@ -213,7 +241,7 @@ def _fault_names() -> list[str]:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 
@@ -225,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "transport"):
+        from ..errors import ConfigError
+
+        try:
+            args.engine = _engine_settings(args)
+        except ConfigError as exc:
+            print(f"kvxfer {args.command}: {exc}", file=sys.stderr)
+            return 2
     if args.command in STOPPABLE:
         from .procs import run_stoppable
 

@@ -45,6 +45,8 @@ CONTEXT = 4096
 
 @dataclass
 class Outcome:
+    """One demo step's result: what was expected, whether it held, what was seen, and how long it took."""
+
     step: str
     expectation: str
     ok: bool
@@ -53,10 +55,15 @@ class Outcome:
 
 
 class Demo:
-    def __init__(self, *, transport: str = "tcp", verbose: bool = False, verbs: dict[str, Any] | None = None,
-                 metrics_port: int | None = None, linger: float = 0.0, announce: Callable[[str], None] = print) -> None:
+    """The scripted demo session: owns the two engine node processes, their keys and logs, and the outcomes.
+
+    Every step is judged by content; a step that raises is recorded as failed, never propagated."""
+
+    def __init__(self, *, transport: str = "tcp", verbose: bool = False,
+                 transport_options: dict[str, Any] | None = None, metrics_port: int | None = None,
+                 linger: float = 0.0, announce: Callable[[str], None] = print) -> None:
         self.transport = transport
-        self.verbs = {k: v for k, v in (verbs or {}).items() if v is not None}
+        self.transport_options = dict(transport_options or {})  # EngineConfig.transport_options of both engines
         self.verbose = verbose
         self.metrics_port = metrics_port
         self.linger = linger
@@ -72,11 +79,11 @@ class Demo:
 
     def _spec(self, role: str, pages: int, **config: Any) -> NodeSpec:
         base: dict[str, Any] = {"max_context": CONTEXT, "transport": self.transport, "drain_timeout": 10.0,
-                                "keyring": self.keyrings[role]}
+                                "transport_options": self.transport_options, "keyring": self.keyrings[role]}
         if self.metrics_port is not None:  # decode on the port given, prefill on the next one
             base["metrics_port"] = self.metrics_port + (1 if role == "prefill" else 0)
         if self.transport == "verbs":
-            base.update(self.verbs, drain_timeout=3.0, peer_timeout=60.0)
+            base.update(drain_timeout=3.0, peer_timeout=60.0)
         base.update(config)
         return NodeSpec(role=role, num_buffers=BUFFERS, item_len=ITEM, num_pages=pages, page_size=PAGE_TOKENS,
                         config=base, faults={} if role == "prefill" else None,
@@ -340,14 +347,16 @@ class Demo:
 
 
 def run_demo(*, json_path: str | None = None, transport: str = "tcp", verbose: bool = False,
-             verbs: dict[str, Any] | None = None, metrics_port: int | None = None, linger: float = 0.0) -> int:
+             transport_options: dict[str, Any] | None = None, metrics_port: int | None = None,
+             linger: float = 0.0) -> int:
     from rich.console import Console
 
     console = Console()
     console.print(f"[bold]kvxfer demo[/bold]: prefill and decode engines in two processes, {transport} transport, "
                   f"pools of {PREFILL_PAGES * PAGE_TOKENS:,} and {DECODE_PAGES * PAGE_TOKENS:,} tokens, "
                   f"advertised context {CONTEXT:,}")
-    demo = Demo(transport=transport, verbose=verbose, verbs=verbs, metrics_port=metrics_port, linger=linger,
+    demo = Demo(transport=transport, verbose=verbose, transport_options=transport_options,
+                metrics_port=metrics_port, linger=linger,
                 announce=lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
     started = time.monotonic()
     try:

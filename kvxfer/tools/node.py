@@ -41,6 +41,9 @@ log = logging.getLogger("kvxfer.tools.node")
 
 @dataclass
 class NodeSpec:
+    """Everything an engine node process needs to start (sent to it as JSON): role, KV layout, engine
+    config, fault injection, seed and log level."""
+
     role: str
     num_buffers: int
     item_len: int
@@ -209,10 +212,10 @@ class _Node:
 
     # benchmark -----------------------------------------------------------------------------------
     def rpc_bench_start(self, requests: list[list[Any]], concurrency: int, peer: str | None = None) -> None:
-        """Start this node's half of a benchmark in the background (see kvxfer.tools.bench.loops)."""
+        """Start this node's half of a benchmark in the background (see kvxfer.tools.bench_loops)."""
         import threading
 
-        from .bench import loops
+        from . import bench_loops as loops
 
         plan = [(str(rid), int(tokens)) for rid, tokens in requests]
         self._bench_result: dict[str, Any] | None = None

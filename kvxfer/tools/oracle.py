@@ -78,6 +78,9 @@ def fill(layout: KVLayout, pages: np.ndarray, *, rid: Any, gen: int, seed: int =
 
 @dataclass
 class OracleReport:
+    """The verdict on a request's pages: how many were ok, which were leaked (another owner's bytes) or corrupted,
+    and the (key, generation) owners the leaked bytes came from."""
+
     pages: int = 0
     ok: int = 0
     leaked: list[int] = field(default_factory=list)

@@ -40,6 +40,8 @@ SLOT = 32  # bytes of KV per token (the word, utf-8, NUL padded)
 
 @dataclass
 class ToyConfig:
+    """The toy server's settings: address, pool sizes, advertised context, simulated cost, legacy (unsafe) mode."""
+
     host: str = "127.0.0.1"
     port: int = 0
     page_size: int = 16

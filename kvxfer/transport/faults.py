@@ -81,6 +81,27 @@ class FaultInjector:
         self.counts: Counter[str] = Counter()
         self.stale_links: list[Any] = []
 
+    # engine hooks (see kvxfer.engine.base.EngineHooks) ---------------------------------------------
+    def drop_message(self, msg: Any) -> bool:
+        """A hung writer: with ``ignore_aborts``, the receiver's ABORTs go unanswered (forces a fence)."""
+        if self.config.ignore_aborts and getattr(msg, "TYPE", "") == "ABORT":
+            self.counts["ignored_abort"] += 1
+            return True
+        return False
+
+    def retire_link(self, link: Any) -> bool:
+        """With ``keep_fenced_links``, keep a fenced link open to post a late write on it later."""
+        if self.config.keep_fenced_links:
+            self.stale_links.append(link)
+            return True
+        return False
+
+    def close(self) -> None:
+        """Close the links kept by :meth:`retire_link`."""
+        links, self.stale_links = self.stale_links, []
+        for link in links:
+            link.close(flush=False)
+
     # scripted, one-shot faults (demo, tests) ----------------------------------------------------------
     def pause(self) -> None:
         """Stall the send path before its next frame (a link that stopped moving)."""

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from ..core import native
@@ -45,7 +46,17 @@ from ..core.writeguard import WriteGuard
 from ..errors import KvxferError, ProtocolError, TransportError, WriteRefused
 from ..wire import frames as f
 from ..wire import messages as m
+from .base import (
+    Capabilities,
+    LinkRequest,
+    ReceiverBackend,
+    ReceiverHooks,
+    SenderLink,
+    SenderTransport,
+    TransportFactory,
+)
 from .faults import FaultInjector
+from .options import TcpOptions
 from .staging import Staging, copy_engine, packed_offsets
 
 log = logging.getLogger("kvxfer.tcp")
@@ -123,8 +134,31 @@ class _Inbound:
     state: _ConnState = _ConnState.OPEN
 
 
-class TcpReceiver:
+CAPABILITIES = Capabilities(raw_frames=True)
+
+
+def encode_offer(address: str) -> bytes:
+    """OFFER blob of the tcp transport: the receiver's data address."""
+    return msgpack.packb({"v": 1, "addr": address}, use_bin_type=True)
+
+
+def decode_offer(blob: bytes) -> str:
+    """The data address in a tcp OFFER blob; ProtocolError for anything else."""
+    try:
+        data = msgpack.unpackb(blob, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"tcp OFFER blob is not msgpack: {exc}") from None
+    if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("addr"), str):
+        raise ProtocolError("tcp OFFER blob must be {v: 1, addr: 'host:port'}")
+    parse_address(data["addr"])
+    return data["addr"]
+
+
+class TcpReceiver(ReceiverBackend):
     """Accepts writers' data connections and lands their writes through the write guard."""
+
+    name = "tcp"
+    capabilities = CAPABILITIES
 
     def __init__(
         self,
@@ -325,6 +359,14 @@ class TcpReceiver:
         if not fenced and inbound.conn_id is not None:
             self._on_closed(inbound.conn_id, reason)
 
+    def offer(self, peer: str, session: bytes, epoch: int) -> bytes:
+        """The writer connects to this receiver's one listening address; CONNECT names the epoch."""
+        return encode_offer(self.address)
+
+    def stats(self) -> dict[str, Any]:
+        return {"protocol_errors": self.protocol_errors, "frames": self.frames,
+                "payload_seconds": self.payload_seconds, "busy_seconds": self.busy_seconds}
+
     def fence(self, conn_id: Any) -> bool:
         """Close ``conn_id`` and wait until its thread stopped: afterwards nothing from it lands.
 
@@ -399,10 +441,8 @@ class _RawJob:
 _TICK = object()
 
 
-class TcpLink:
+class TcpLink(SenderLink):
     """One data connection to one receiver, with its own sending thread."""
-
-    needs_write_log = False  # the receiver records every write as it lands
 
     def __init__(
         self,
@@ -684,3 +724,45 @@ class TcpLink:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+class TcpTransport(SenderTransport):
+    """The prefill side: opens one :class:`TcpLink` per OFFER."""
+
+    name = "tcp"
+    capabilities = CAPABILITIES
+
+    def __init__(self, layout: KVLayout, *, checksum: Any = None, staging: str | None = None) -> None:
+        self.layout = layout
+        self.checksum = checksum
+        self.staging = staging
+
+    def connect(self, request: LinkRequest) -> TcpLink:
+        address = decode_offer(request.blob)
+        connect = m.Connect(engine=request.engine, session=request.session, epoch=request.epoch)
+        return TcpLink(self.layout, address, connect=connect, on_closed=request.on_closed, faults=request.faults,
+                       checksum=self.checksum, staging=self.staging)
+
+
+def _options(config: Any) -> TcpOptions:
+    return config.options("tcp") if hasattr(config, "options") else TcpOptions()
+
+
+def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> TcpReceiver:
+    return TcpReceiver(layout, guard, host=config.host, port=config.data_port, on_connect=hooks.on_connect,
+                       on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, checksum=config.checksum,
+                       staging=_options(config).staging)
+
+
+def _sender(layout: KVLayout, config: Any) -> TcpTransport:
+    return TcpTransport(layout, checksum=config.checksum, staging=_options(config).staging)
+
+
+TRANSPORT = TransportFactory(
+    name="tcp",
+    summary="software one-sided writes over TCP sockets (any two hosts; the receiver lands each write)",
+    capabilities=CAPABILITIES,
+    receiver=_receiver,
+    sender=_sender,
+    options=TcpOptions,
+)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from ..core.layout import KVLayout
@@ -48,6 +49,16 @@ from ..core.tags import Tag
 from ..core.writeguard import WriteGuard
 from ..errors import ConfigError, ProtocolError, TransportError, WriteRefused
 from ..wire import messages as m
+from .base import (
+    Capabilities,
+    LinkRequest,
+    ReceiverBackend,
+    ReceiverHooks,
+    SenderLink,
+    SenderTransport,
+    TransportFactory,
+)
+from .options import VerbsOptions
 
 log = logging.getLogger("kvxfer.verbs")
 
@@ -126,21 +137,6 @@ def gid_bytes(gid: Any) -> bytes:
 def gid_text(raw: bytes) -> str:
     h = raw.hex()
     return ":".join(h[i : i + 4] for i in range(0, 32, 4))
-
-
-@dataclass
-class VerbsOptions:
-    device: str | None = None
-    port: int = 1
-    gid_index: int | None = None
-
-    @classmethod
-    def from_config(cls, extra: dict[str, Any]) -> VerbsOptions:
-        device = extra.get("ib_device") or os.environ.get("KVXFER_RDMA_DEVICE") or None
-        gid = extra.get("gid_index")
-        if gid is None and os.environ.get("KVXFER_GID_INDEX"):
-            gid = int(os.environ["KVXFER_GID_INDEX"])
-        return cls(device=device, port=int(extra.get("ib_port", 1)), gid_index=gid)
 
 
 class VerbsDevice:
@@ -384,10 +380,55 @@ class _Peering:
     recv_posted: int = 0
 
 
-class VerbsReceiver:
+CAPABILITIES = Capabilities(write_log=True, ordered_via_control=True, requires_final=True)
+
+
+def encode_offer(epoch: int, qpn: int, psn: int, gid: bytes, mtu: int, addrs: Any, rkeys: Any) -> bytes:
+    """OFFER blob of the verbs transport: the receiver's queue pair and where each buffer is."""
+    return msgpack.packb({"v": 1, "epoch": int(epoch), "qpn": int(qpn), "psn": int(psn), "gid": bytes(gid),
+                          "mtu": int(mtu), "addrs": [int(a) for a in addrs], "rkeys": [int(k) for k in rkeys]},
+                         use_bin_type=True)
+
+
+def encode_accept(qpn: int, psn: int, gid: bytes) -> bytes:
+    """ACCEPT blob of the verbs transport: the writer's queue pair, already in RTS."""
+    return msgpack.packb({"v": 1, "qpn": int(qpn), "psn": int(psn), "gid": bytes(gid)}, use_bin_type=True)
+
+
+_U24 = (1 << 24) - 1
+_BLOB_FIELDS = {"epoch": (int, (1 << 64) - 1), "qpn": (int, _U24), "psn": (int, _U24), "mtu": (int, 5)}
+
+
+def decode_blob(blob: bytes, what: str, required: tuple[str, ...]) -> dict[str, Any]:
+    """A verbs OFFER or ACCEPT blob, checked field by field; ProtocolError naming the problem."""
+    try:
+        data = msgpack.unpackb(blob, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"verbs {what} blob is not msgpack: {exc}") from None
+    if not isinstance(data, dict) or data.get("v") != 1:
+        raise ProtocolError(f"verbs {what} blob must be a map with v=1")
+    for name in required:
+        value = data.get(name)
+        if name == "gid":
+            if not isinstance(value, bytes) or len(value) != 16:
+                raise ProtocolError(f"verbs {what} blob: gid must be 16 bytes")
+        elif name in ("addrs", "rkeys"):
+            limit = (1 << 64) - 1 if name == "addrs" else (1 << 32) - 1
+            if not isinstance(value, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= limit for x in value):
+                raise ProtocolError(f"verbs {what} blob: {name} must be a list of unsigned integers")
+        else:
+            kind, limit = _BLOB_FIELDS[name]
+            if not isinstance(value, kind) or isinstance(value, bool) or not 0 <= value <= limit:
+                raise ProtocolError(f"verbs {what} blob: {name} missing or out of range")
+    return data
+
+
+class VerbsReceiver(ReceiverBackend):
     """The decode side: one queue pair per writer and epoch; lands nothing itself (the NIC does)."""
 
-    kind = "verbs"
+    name = "verbs"
+    capabilities = CAPABILITIES
 
     def __init__(self, layout: KVLayout, guard: WriteGuard, options: VerbsOptions, *,
                  on_closed: Callable[[Any, str], None]) -> None:
@@ -408,30 +449,39 @@ class VerbsReceiver:
         self._thread = threading.Thread(target=self._poll_loop, name="kvxfer-verbs-recv", daemon=True)
         self._thread.start()
 
-    def open_peer(self, engine: str, session: bytes, epoch: int) -> m.VerbsInfo:
-        """A fresh queue pair for ``engine`` under ``epoch``; the writer connects to it."""
+    def offer(self, peer: str, session: bytes, epoch: int) -> bytes:
+        """A fresh queue pair for ``peer`` under ``epoch``; the writer connects to it."""
         endpoint = Endpoint(self.device)
-        peering = _Peering(engine, session, epoch, endpoint)
+        peering = _Peering(peer, session, epoch, endpoint)
         endpoint.post_recvs(0, RQ_DEPTH)
         peering.recv_posted = RQ_DEPTH
         with self._lock:
-            self._peerings[(engine, epoch)] = peering
+            self._peerings[(peer, epoch)] = peering
             self._by_qpn[endpoint.qpn] = peering
-        return m.VerbsInfo(epoch=epoch, qpn=endpoint.qpn, psn=endpoint.psn, gid=self.device.gid,
-                           mtu=self.device.mtu, addrs=[int(a) for a in self.device.buffer_addr],
-                           rkeys=[int(k) for k in self.device.buffer_rkey])
+        return encode_offer(epoch, endpoint.qpn, endpoint.psn, self.device.gid, self.device.mtu,
+                            self.device.buffer_addr, self.device.buffer_rkey)
 
-    def connect_peer(self, msg: m.VerbsConnect) -> Any:
-        """Move our queue pair for (engine, epoch) to RTS towards the writer's; returns the conn id."""
+    def accept(self, peer: str, session: bytes, epoch: int, blob: bytes) -> Any:
+        """Move our queue pair for (peer, epoch) to RTS towards the writer's; returns the conn id."""
+        data = decode_blob(blob, "ACCEPT", ("qpn", "psn", "gid"))
         with self._lock:
-            peering = self._peerings.get((msg.engine, msg.epoch))
-        if peering is None or peering.session != msg.session:
-            raise ProtocolError(f"VERBS_CONNECT from {msg.engine!r} epoch {msg.epoch}: no such offer")
+            peering = self._peerings.get((peer, epoch))
+        if peering is None or peering.session != session:
+            raise ProtocolError(f"ACCEPT from {peer!r} epoch {epoch}: no such offer")
         if peering.conn is not None:
-            raise ProtocolError(f"VERBS_CONNECT from {msg.engine!r} epoch {msg.epoch}: already connected")
-        peering.endpoint.connect(msg.qpn, msg.psn, msg.gid)
-        peering.conn = (msg.engine, msg.epoch)
+            raise ProtocolError(f"ACCEPT from {peer!r} epoch {epoch}: already connected")
+        peering.endpoint.connect(data["qpn"], data["psn"], data["gid"])
+        peering.conn = (peer, epoch)
         return peering.conn
+
+    def withdraw(self, peer: str, epoch: int) -> None:
+        with self._lock:
+            peering = self._peerings.get((peer, epoch))
+        if peering is not None and peering.conn is None:
+            self.fence((peer, epoch))
+
+    def stats(self) -> dict[str, Any]:
+        return {"protocol_errors": self.protocol_errors, "completion_errors": self.completion_errors}
 
     def sync(self, conn: Any, gen: int | None = None, *, wait: float = 2.0) -> None:
         """Process every completion already in the queue before a DONE is acted on; with ``gen``,
@@ -528,30 +578,30 @@ class _Posted:
     on_complete: Callable[[WriteBatch, int, int], None] | None
 
 
-class VerbsLink:
+class VerbsLink(SenderLink):
     """The prefill side of one peering and epoch: posts writes, tracks completions, sends ordered
     messages once everything posted before them completed."""
 
-    needs_write_log = True
-
-    def __init__(self, layout: KVLayout, device: VerbsDevice, info: m.VerbsInfo, *, engine: str, session: bytes,
+    def __init__(self, layout: KVLayout, device: VerbsDevice, offer: bytes, *, engine: str, epoch: int,
                  send_control: Callable[[m.Message], None], on_closed: Callable[[VerbsLink, str], None],
                  faults: Any = None) -> None:
-        if len(info.addrs) != layout.num_buffers or len(info.rkeys) != layout.num_buffers:
-            raise ProtocolError(f"VERBS_INFO names {len(info.addrs)} buffers, the layout has {layout.num_buffers}")
+        info = decode_blob(offer, "OFFER", ("epoch", "qpn", "psn", "gid", "mtu", "addrs", "rkeys"))
+        if info["epoch"] != epoch:
+            raise ProtocolError(f"verbs OFFER blob for epoch {info['epoch']} arrived as epoch {epoch}")
+        if len(info["addrs"]) != layout.num_buffers or len(info["rkeys"]) != layout.num_buffers:
+            raise ProtocolError(f"verbs OFFER names {len(info['addrs'])} buffers, the layout has {layout.num_buffers}")
         self.layout = layout
         self.device = device
-        self.epoch = info.epoch
-        self.conn_id = (engine, info.epoch)
+        self.epoch = epoch
+        self.conn_id = (engine, epoch)
         self.faults = faults
         self._send_control = send_control
         self._on_closed = on_closed
-        self._remote_addr = np.array(info.addrs, dtype=np.uint64)
-        self._remote_rkey = np.array(info.rkeys, dtype=np.uint32)
+        self._remote_addr = np.array(info["addrs"], dtype=np.uint64)
+        self._remote_rkey = np.array(info["rkeys"], dtype=np.uint32)
         self.endpoint = Endpoint(device)
-        self.endpoint.connect(info.qpn, info.psn, info.gid)
-        self.connect_message = m.VerbsConnect(engine=engine, session=session, epoch=info.epoch,
-                                              qpn=self.endpoint.qpn, psn=self.endpoint.psn, gid=device.gid)
+        self.endpoint.connect(info["qpn"], info["psn"], info["gid"])
+        self.accept_blob = encode_accept(self.endpoint.qpn, self.endpoint.psn, device.gid)
         self._cond = threading.Condition()
         self._queue: collections.deque[Any] = collections.deque()
         self._inflight: collections.deque[_Posted] = collections.deque()
@@ -790,14 +840,45 @@ class VerbsLink:
         return self.wrs_posted / self.post_seconds if self.post_seconds else 0.0
 
 
-def parse_write_log(data: bytes) -> np.ndarray:
-    """DONE's write log as a run table (same records as tcp WRITE frames)."""
-    from ..wire.frames import RUN_DTYPE, RUN_SIZE, check_runs
+class VerbsTransport(SenderTransport):
+    """The prefill side: one opened device (no remote write access), one :class:`VerbsLink` per OFFER."""
 
-    if len(data) % RUN_SIZE:
-        raise ProtocolError(f"write log of {len(data)} bytes is not a whole number of {RUN_SIZE}-byte runs")
-    return check_runs(np.frombuffer(data, dtype=RUN_DTYPE), "write log")
+    name = "verbs"
+    capabilities = CAPABILITIES
+
+    def __init__(self, layout: KVLayout, options: VerbsOptions) -> None:
+        self.layout = layout
+        self.device = VerbsDevice(options, layout, remote_write=False)
+
+    def connect(self, request: LinkRequest) -> VerbsLink:
+        return VerbsLink(self.layout, self.device, request.blob, engine=request.engine, epoch=request.epoch,
+                         send_control=request.send_control, on_closed=request.on_closed, faults=request.faults)
+
+    def close(self) -> None:
+        self.device.close()
 
 
-__all__ = ["VerbsDevice", "VerbsLink", "VerbsOptions", "VerbsReceiver", "WriteRefused", "available",
-           "parse_write_log"]
+def _options(config: Any) -> VerbsOptions:
+    return config.options("verbs") if hasattr(config, "options") else VerbsOptions()
+
+
+def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> VerbsReceiver:
+    return VerbsReceiver(layout, guard, _options(config), on_closed=hooks.on_closed)
+
+
+def _sender(layout: KVLayout, config: Any) -> VerbsTransport:
+    return VerbsTransport(layout, _options(config))
+
+
+TRANSPORT = TransportFactory(
+    name="verbs",
+    summary="RDMA WRITE_WITH_IMM over ibverbs RC queue pairs (pyverbs; GPU memory through dma-buf)",
+    capabilities=CAPABILITIES,
+    receiver=_receiver,
+    sender=_sender,
+    options=VerbsOptions,
+    available=lambda: available(),
+)
+
+__all__ = ["TRANSPORT", "VerbsDevice", "VerbsLink", "VerbsOptions", "VerbsReceiver", "VerbsTransport",
+           "WriteRefused", "available"]

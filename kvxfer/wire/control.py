@@ -58,6 +58,10 @@ class _Gatekeeper(ThreadAuthenticator):
 
 
 class ControlPlane:
+    """One engine's control sockets: its bound ROUTER (``address``) and a DEALER per peer it sends to.
+
+    Moves encoded messages only; with a keyring, only authenticated peers' messages are delivered."""
+
     def __init__(self, engine_id: str, *, host: str = "127.0.0.1", port: int = 0,
                  keyring: Keyring | None = None) -> None:
         self.engine_id = engine_id

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.runs import RUN_DTYPE
+from ..core.runs import pack_runs as pack_runs  # a WRITE frame's body; the record is the runs' own
 from ..errors import ProtocolError
 from .messages import MAX_MESSAGE_BYTES
 
@@ -30,7 +32,6 @@ MAGIC = b"KX"
 FRAME_VERSION = 1
 HEADER = struct.Struct("<2sBBIQIIQ")
 HEADER_SIZE = HEADER.size  # 32
-RUN_DTYPE = np.dtype([("buffer", "<u4"), ("flags", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 RUN_SIZE = RUN_DTYPE.itemsize  # 24
 MAX_RUNS = 8192
 MAX_PAYLOAD = 1 << 30
@@ -40,6 +41,8 @@ assert HEADER_SIZE == 32 and RUN_SIZE == 24
 
 
 class FrameKind(enum.IntEnum):
+    """The ``kind`` byte of a data-plane frame header (see the module docstring)."""
+
     CONNECT = 1
     WRITE = 2
     ORDERED = 3
@@ -47,6 +50,9 @@ class FrameKind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class FrameHeader:
+    """A frame's fixed 32-byte header as fields: :meth:`pack` encodes one, :func:`parse_header` decodes and
+    checks one (magic, version, kind and every limit)."""
+
     kind: FrameKind
     slot: int
     generation: int
@@ -121,17 +127,17 @@ def check_runs(runs: np.ndarray, what: str) -> np.ndarray:
     return runs
 
 
-def pack_runs(buffers: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
-    runs = np.zeros(len(buffers), dtype=RUN_DTYPE)
-    runs["buffer"] = buffers
-    runs["offset"] = offsets
-    runs["length"] = lengths
-    return runs.tobytes()
-
-
 def write_header(slot: int, generation: int, count: int, payload_len: int) -> bytes:
     return FrameHeader(FrameKind.WRITE, slot, generation, count, count * RUN_SIZE, payload_len).pack()
 
 
 def message_frame(kind: FrameKind, body: bytes, *, slot: int = 0, generation: int = 0) -> bytes:
     return FrameHeader(kind, slot, generation, 0, len(body), 0).pack() + body
+
+
+def parse_write_log(data: bytes) -> np.ndarray:
+    """DONE's write log (fabrics whose receiver cannot see writes land) as a run table: the same
+    records as WRITE frames."""
+    if len(data) % RUN_SIZE:
+        raise ProtocolError(f"write log of {len(data)} bytes is not a whole number of {RUN_SIZE}-byte runs")
+    return check_runs(np.frombuffer(data, dtype=RUN_DTYPE), "write log")

@@ -40,7 +40,7 @@ def control_message(data: bytes) -> None:
     if type(again) is not type(msg):
         raise AssertionError(f"{msg.TYPE} re-decoded as {again.TYPE}")
     if isinstance(msg, m.Done) and msg.runs:
-        from ..transport.verbs import parse_write_log
+        from .frames import parse_write_log
 
         try:
             runs = parse_write_log(msg.runs)

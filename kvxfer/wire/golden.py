@@ -13,12 +13,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from . import frames as f
 from . import messages as m
 
 SESSION = bytes(range(16))
+GID = bytes(10) + b"\xff\xff\x0a\x63\x00\x01"
+# Transport blobs (SPEC §5): msgpack maps each transport encodes and decodes itself; the transport
+# tests check that their encoders produce exactly these bytes.
+TCP_OFFER_BLOB = msgpack.packb({"v": 1, "addr": "10.0.0.2:5602"}, use_bin_type=True)
+VERBS_OFFER_BLOB = msgpack.packb({"v": 1, "epoch": 1, "qpn": 0x11, "psn": 0x123456, "gid": GID, "mtu": 5,
+                                  "addrs": [0x7F0000000000, 0x7F0000100000], "rkeys": [0x1234, 0x1234]},
+                                 use_bin_type=True)
+VERBS_ACCEPT_BLOB = msgpack.packb({"v": 1, "qpn": 0x12, "psn": 0x654321, "gid": GID}, use_bin_type=True)
 
 
 def example_messages() -> dict[str, m.Message]:
@@ -26,7 +35,7 @@ def example_messages() -> dict[str, m.Message]:
     return {
         "HELLO": m.Hello(
             engine="decode-a", role="decode", session=SESSION, reply_to="tcp://10.0.0.2:5601",
-            transport="tcp", data_addr="10.0.0.2:5602", page_size=64, num_pages=32768,
+            transport="tcp", page_size=64, num_pages=32768,
             item_lens=[4096, 4096], pool_tokens=2097152, max_context=1048576, checksum="adler32",
         ),
         "HELLO_ACK": m.HelloAck(
@@ -44,10 +53,10 @@ def example_messages() -> dict[str, m.Message]:
                        aux=b"\x01\x02"),
         "DONE_VERBS": m.Done(rid="req-42", gen=7, bytes=8192, pages=1, checksum=0x0BADF00D, algo="crc32",
                              runs=bytes(range(24))),
-        "VERBS_INFO": m.VerbsInfo(epoch=1, qpn=0x11, psn=0x123456, gid=bytes(10) + b"\xff\xff\x0a\x63\x00\x01",
-                                  mtu=5, addrs=[0x7F0000000000, 0x7F0000100000], rkeys=[0x1234, 0x1234]),
-        "VERBS_CONNECT": m.VerbsConnect(engine="prefill-a", session=SESSION, epoch=1, qpn=0x12, psn=0x654321,
-                                        gid=bytes(10) + b"\xff\xff\x0a\x63\x00\x01"),
+        "OFFER_TCP": m.Offer(epoch=1, blob=TCP_OFFER_BLOB),
+        "OFFER_VERBS": m.Offer(epoch=1, blob=VERBS_OFFER_BLOB),
+        "ACCEPT_TCP": m.Accept(engine="prefill-a", session=SESSION, epoch=1, blob=b""),
+        "ACCEPT_VERBS": m.Accept(engine="prefill-a", session=SESSION, epoch=1, blob=VERBS_ACCEPT_BLOB),
         "RESULT": m.Result(rid="req-42", gen=7, ok=False, reason="checksum",
                            detail="adler32 of the destination pages is 0x00000001, DONE claims 0x1234abcd"),
         "FENCED": m.Fenced(epoch=1, reason="drain_timeout"),

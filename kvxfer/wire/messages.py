@@ -21,14 +21,14 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from ..core.arguments import MAX_RID_STR, U64
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: OFFER/ACCEPT carry each transport's handshake (1 had VERBS_INFO/VERBS_CONNECT)
+MAX_BLOB = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_STR = 4096
-MAX_RID_STR = 512
 MAX_PAGES = (64 << 20) // 4 - 1024
-U64 = (1 << 64) - 1
 
 Rid = str | int
 
@@ -37,6 +37,8 @@ Rid = str | int
 
 
 class Kind:
+    """A field's kind: its wire type name and ``check``, which returns the value or raises TypeError/ValueError."""
+
     name = "any"
 
     def check(self, value: Any) -> Any:  # pragma: no cover - overridden
@@ -159,6 +161,18 @@ def _f(kind: Kind, doc: str, default: Any = dataclasses.MISSING) -> Any:
     return field(default=default, metadata=meta)
 
 
+class VersionMismatch(ProtocolError):
+    """A well-formed envelope of another protocol version. ``reply_to`` is the sender's control
+    address when the message names one (a HELLO), so the engine can tell the peer why it is refused."""
+
+    code = "protocol_version"
+
+    def __init__(self, detail: str, *, version: int, reply_to: str | None) -> None:
+        super().__init__(detail)
+        self.version = version
+        self.reply_to = reply_to
+
+
 # messages ------------------------------------------------------------------------------------
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
@@ -166,6 +180,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 @dataclass(frozen=True)
 class Message:
+    """Base of every control message: a frozen dataclass encoded field by field in declaration order; ``TYPE`` is its wire name, ``DOC`` its SPEC text."""
+
     TYPE: ClassVar[str] = ""
     DOC: ClassVar[str] = ""
 
@@ -198,17 +214,18 @@ def _register(cls: type[Message]) -> type[Message]:
 @_register
 @dataclass(frozen=True, eq=False)
 class Hello(Message):
+    """HELLO (receiver -> writer): opens a peering with the receiver's identity, transport, layout and capacity."""
+
     TYPE: ClassVar[str] = "HELLO"
     DOC: ClassVar[str] = (
-        "receiver -> writer, control. Opens a peering: who the receiver is, where to reach it, "
-        "its layout and capacity. The writer answers HELLO_ACK and then opens the data path."
+        "receiver -> writer, control. Opens a peering: who the receiver is, its transport, layout "
+        "and capacity. The writer answers HELLO_ACK; the receiver then sends OFFER."
     )
     engine: str = _f(STR, "sender's engine id")
     role: str = _f(STR, "'decode' (receiver) or 'prefill' (writer)")
     session: bytes = _f(_Bytes(64), "random token the writer presents when it opens the data path")
     reply_to: str = _f(STR, "sender's control address (zmq endpoint)")
-    transport: str = _f(STR, "data transport: 'tcp' or 'verbs'")
-    data_addr: str = _f(STR, "receiver's data-plane address (tcp: host:port)")
+    transport: str = _f(STR, "data transport, a registered name: 'tcp', 'shm' or 'verbs'")
     page_size: int = _f(U32, "tokens per page")
     num_pages: int = _f(U32, "pages in the sender's pool")
     item_lens: list = _f(_UIntList(), "bytes per page of each buffer, in layout order")
@@ -220,6 +237,8 @@ class Hello(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class HelloAck(Message):
+    """HELLO_ACK (writer -> receiver): accepts or refuses a peering, with the writer's layout and capacity."""
+
     TYPE: ClassVar[str] = "HELLO_ACK"
     DOC: ClassVar[str] = (
         "writer -> receiver, control. Accepts (ok) or refuses a peering, with the writer's own "
@@ -240,6 +259,8 @@ class HelloAck(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Connect(Message):
+    """CONNECT (writer -> receiver, first data frame): binds a data connection to a peering under a new epoch."""
+
     TYPE: ClassVar[str] = "CONNECT"
     DOC: ClassVar[str] = (
         "writer -> receiver, first frame of a data connection. Binds the connection to the peering "
@@ -253,6 +274,8 @@ class Connect(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Meta(Message):
+    """META (receiver -> writer): a request was admitted; its destination pages and the (slot, gen) tag to write with."""
+
     TYPE: ClassVar[str] = "META"
     DOC: ClassVar[str] = (
         "receiver -> writer, control. The receiver admitted a request and reserved pages: "
@@ -268,6 +291,8 @@ class Meta(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Reject(Message):
+    """REJECT (either way): refused at admission; writer -> receiver on the ordered path, it also proves no write for gen is in flight."""
+
     TYPE: ClassVar[str] = "REJECT"
     DOC: ClassVar[str] = (
         "either way. The sender refused the request at admission. Writer -> receiver travels on "
@@ -282,6 +307,8 @@ class Reject(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Abort(Message):
+    """ABORT (either way): stop writing gen (receiver -> writer), or the writer gave up, ordered behind its writes (writer -> receiver)."""
+
     TYPE: ClassVar[str] = "ABORT"
     DOC: ClassVar[str] = (
         "either way. Receiver -> writer (control): stop writing gen and send DRAIN_ACK once every "
@@ -297,6 +324,8 @@ class Abort(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class DrainAck(Message):
+    """DRAIN_ACK (writer -> receiver, ordered): every write posted for gen completed; gen's quarantined pages may be freed."""
+
     TYPE: ClassVar[str] = "DRAIN_ACK"
     DOC: ClassVar[str] = (
         "writer -> receiver, ordered data path. Every write the writer posted for gen has "
@@ -311,6 +340,8 @@ class DrainAck(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Done(Message):
+    """DONE (writer -> receiver, ordered behind the last write): what was written, verified by the receiver before any read."""
+
     TYPE: ClassVar[str] = "DONE"
     DOC: ClassVar[str] = (
         "writer -> receiver, ordered data path, behind the request's last write. Claims what was "
@@ -334,41 +365,41 @@ class Done(Message):
 
 @_register
 @dataclass(frozen=True, eq=False)
-class VerbsInfo(Message):
-    TYPE: ClassVar[str] = "VERBS_INFO"
+class Offer(Message):
+    """OFFER (receiver -> writer): a data connection prepared under a new epoch and how to reach the pool (transport-specific blob)."""
+
+    TYPE: ClassVar[str] = "OFFER"
     DOC: ClassVar[str] = (
-        "receiver -> writer, control (verbs). The receiver created an RC queue pair for this peering "
-        "under a new epoch: connect to it and write into these buffers. Sent after HELLO_ACK and after "
-        "every fence."
+        "receiver -> writer, control. The receiver prepared a data connection for this peering under "
+        "a new epoch; blob says how to reach its pool, in the transport's own encoding (SPEC §5). "
+        "Sent after HELLO_ACK, after every fence and after a data connection ended. Epochs increase."
     )
-    epoch: int = _f(UINT, "connection epoch of this queue pair")
-    qpn: int = _f(_UInt(0xFFFFFF), "receiver's queue pair number")
-    psn: int = _f(_UInt(0xFFFFFF), "receiver's initial packet sequence number")
-    gid: bytes = _f(_Bytes(16), "receiver's GID (16 bytes)")
-    mtu: int = _f(_UInt(5), "path MTU enum (ibv_mtu: 1=256 ... 5=4096)")
-    addrs: list = _f(_UIntList(), "remote address of each layout buffer's page 0, in layout order")
-    rkeys: list = _f(_UIntList(), "rkey of the memory region holding each buffer, in layout order")
+    epoch: int = _f(UINT, "connection epoch of this offer")
+    blob: bytes = _f(_Bytes(MAX_BLOB), "transport-specific: how to reach the receiver's pool")
 
 
 @_register
 @dataclass(frozen=True, eq=False)
-class VerbsConnect(Message):
-    TYPE: ClassVar[str] = "VERBS_CONNECT"
+class Accept(Message):
+    """ACCEPT (writer -> receiver): the writer's half of the offered connection (transport-specific blob)."""
+
+    TYPE: ClassVar[str] = "ACCEPT"
     DOC: ClassVar[str] = (
-        "writer -> receiver, control (verbs). The writer's queue pair for epoch, already in RTS; the "
-        "receiver moves its own to RTR/RTS towards it. The verbs analogue of the CONNECT frame."
+        "writer -> receiver, control. The writer opened its half of the offered connection; blob is "
+        "what the receiver needs to finish it (verbs: the writer's queue pair; tcp and shm: empty, "
+        "their data path opens with CONNECT)."
     )
     engine: str = _f(STR, "writer's engine id")
     session: bytes = _f(_Bytes(64), "the session token from the receiver's HELLO")
-    epoch: int = _f(UINT, "the epoch from VERBS_INFO")
-    qpn: int = _f(_UInt(0xFFFFFF), "writer's queue pair number")
-    psn: int = _f(_UInt(0xFFFFFF), "writer's initial packet sequence number")
-    gid: bytes = _f(_Bytes(16), "writer's GID (16 bytes)")
+    epoch: int = _f(UINT, "the epoch from OFFER")
+    blob: bytes = _f(_Bytes(MAX_BLOB), "transport-specific: the writer's half of the connection")
 
 
 @_register
 @dataclass(frozen=True, eq=False)
 class Result(Message):
+    """RESULT (receiver -> writer): the outcome of verifying gen."""
+
     TYPE: ClassVar[str] = "RESULT"
     DOC: ClassVar[str] = "receiver -> writer, control. The outcome of verifying gen."
     rid: Rid = _f(RID, "request id")
@@ -381,6 +412,8 @@ class Result(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Fenced(Message):
+    """FENCED (receiver -> writer): a data connection epoch was closed; every request in flight on it failed."""
+
     TYPE: ClassVar[str] = "FENCED"
     DOC: ClassVar[str] = (
         "receiver -> writer, control. The receiver closed data connection epoch and discards "
@@ -393,6 +426,8 @@ class Fenced(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Heartbeat(Message):
+    """HEARTBEAT (either way): liveness, with an increasing sequence number."""
+
     TYPE: ClassVar[str] = "HEARTBEAT"
     DOC: ClassVar[str] = "either way, control. Liveness; a peer silent for too long is dead."
     engine: str = _f(STR, "sender's engine id")
@@ -402,6 +437,8 @@ class Heartbeat(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Error(Message):
+    """ERROR (either way): a received message could not be acted on; informational, it changes no state."""
+
     TYPE: ClassVar[str] = "ERROR"
     DOC: ClassVar[str] = (
         "either way, control. The sender could not act on a message it received (malformed, "
@@ -485,8 +522,11 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     if isinstance(version, bool) or not isinstance(version, int):
         raise ProtocolError(f"protocol version must be an integer, got {type(version).__name__}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"unsupported protocol version {version} (this engine speaks {PROTOCOL_VERSION})"
+        reply_to = body.get("reply_to") if isinstance(body, dict) else None
+        raise VersionMismatch(
+            f"unsupported protocol version {version} (this engine speaks {PROTOCOL_VERSION}): "
+            f"both engines must run kvxfer releases speaking the same protocol version",
+            version=version, reply_to=reply_to if isinstance(reply_to, str) and len(reply_to) <= MAX_STR else None,
         )
     if not isinstance(type_name, str):
         raise ProtocolError("message type must be a string")

@@ -15,12 +15,16 @@ import logging
 from typing import Any
 
 from ...errors import ConfigError, GpuError
-from ..memory import MemoryRegion
+from ..region import MemoryRegion
 
 log = logging.getLogger("kvxfer.gpu")
 
 
 class CudaRegion(MemoryRegion):
+    """A span of CUDA device memory on device ``device_index``: pointer, size and the owning object.
+
+    Holds its owner (tensor, cupy array or ``None`` for a caller-owned pointer) until ``close()``."""
+
     device = "cuda"
 
     def __init__(self, address: int, nbytes: int, *, device_index: int, owner: Any, name: str = "") -> None:

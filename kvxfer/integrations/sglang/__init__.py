@@ -17,9 +17,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .reasons import ADMISSION_REFUSED
+
 BACKEND = "kvxfer"
 TESTED_VERSIONS = ("0.5.23",)
-ADMISSION_REFUSED = "[kvxfer: refused at admission]"  # leads every failure reason of that kind
 _MARK = "_kvxfer_wrapped"
 _PREPARE_ABORT = "sglang.srt.disaggregation.utils.prepare_abort"
 

@@ -64,7 +64,8 @@ from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import AdmissionRejected, KvxferError, PeerError
-from . import ADMISSION_REFUSED
+from .reasons import ADMISSION_REFUSED
+from .settings import engine_config
 
 log = logging.getLogger("kvxfer.sglang")
 
@@ -77,36 +78,9 @@ def reason_of(exc: KvxferError) -> str:
 R, S = ReceiverState, SenderState
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def _engine_config(server_args: Any, pool_tokens: int, rank: int) -> EngineConfig:
-    """kvxfer settings for a scheduler rank, from SGLang's arguments and KVXFER_* variables."""
-    context = getattr(server_args, "context_length", None) or pool_tokens
-    deferred_timeout = _env_float("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30.0)
-    waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
-    gid = os.environ.get("KVXFER_GID_INDEX")
-    metrics = os.environ.get("KVXFER_METRICS_PORT")
-    return EngineConfig(
-        max_context=int(context),
-        transport=os.environ.get("KVXFER_TRANSPORT", "tcp"),
-        host=os.environ.get("KVXFER_HOST", "127.0.0.1"),
-        checksum=os.environ.get("KVXFER_CHECKSUM", "adler32"),
-        free_policy="keep",  # SGLang owns the bytes of pages it reads; kvxfer never rewrites them
-        allow_undersized_pool=os.environ.get("KVXFER_ALLOW_UNDERSIZED_POOL") == "1",
-        # Fence before SGLang's deferred-release timeout could free a page kvxfer still guards.
-        drain_timeout=max(0.5, min(_env_float("KVXFER_DRAIN_TIMEOUT", 10.0), deferred_timeout / 2)),
-        transfer_timeout=waiting_timeout,
-        meta_timeout=waiting_timeout,
-        ib_device=os.environ.get("KVXFER_IB_DEVICE") or getattr(server_args, "disaggregation_ib_device", None),
-        gid_index=int(gid) if gid else None,
-        keyring=os.environ.get("KVXFER_KEYRING") or None,  # a `kvxfer keygen` directory: CURVE-authenticated
-        metrics_port=int(metrics) + rank if metrics else None,  # rank r serves on KVXFER_METRICS_PORT + r
-    )
+    """kvxfer settings for a scheduler rank: :func:`.settings.engine_config` over ``os.environ``."""
+    return engine_config(server_args, pool_tokens, rank)
 
 
 def unsupported_settings(args: KVArgs, server_args: Any, mode: DisaggregationMode) -> list[str]:

@@ -121,6 +121,8 @@ class Band:
 
 @dataclass(frozen=True)
 class CapacityLine:
+    """One parsed scheduler line: where it was read, the (role, node) it belongs to, its pool and context in tokens."""
+
     file: str
     line: int
     role: str
@@ -134,6 +136,8 @@ class CapacityLine:
 
 @dataclass(frozen=True)
 class Unparseable:
+    """A line containing ``max_total_num_tokens=`` that could not be parsed, with the reason and an excerpt."""
+
     file: str
     line: int
     reason: str
@@ -145,6 +149,8 @@ class Unparseable:
 
 @dataclass(frozen=True)
 class MissingFile:
+    """A path that could not be opened or read to the end, with the OS's reason; the audit is then incomplete."""
+
     path: str
     reason: str
 
@@ -154,6 +160,8 @@ class MissingFile:
 
 @dataclass
 class FileRead:
+    """How much of one input was read: lines in total and lines containing ``max_total_num_tokens=``."""
+
     path: str
     lines: int = 0
     capacity_lines: int = 0
@@ -235,6 +243,8 @@ class Summary:
 
 @dataclass
 class Report:
+    """Everything one audit found: the inputs read, the (role, node) groups, and what was unparseable or missing."""
+
     files: list[FileRead] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
     unparseable: list[Unparseable] = field(default_factory=list)
@@ -401,6 +411,9 @@ def _basename(path: str) -> str:
 
 @dataclass(frozen=True)
 class RawLine:
+    """One input line as read: its 1-based number, decoded text (at most ``MAX_LINE_BYTES``), whether the rest
+    was cut off, and whether ``max_total_num_tokens=`` appears anywhere in the full line."""
+
     number: int
     text: str
     truncated: bool

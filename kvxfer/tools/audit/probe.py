@@ -33,6 +33,8 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 @dataclass
 class Call:
+    """One HTTP request's outcome: status (0 when no response came), reply text, reported prompt tokens, time."""
+
     status: int
     text: str
     prompt_tokens: int | None
@@ -42,6 +44,8 @@ class Call:
 
 @dataclass
 class ProbeReport:
+    """What one probe planted, sent and saw, and its verdict with the reasons for it."""
+
     url: str
     api: str
     markers: list[str] = field(default_factory=list)
@@ -72,6 +76,10 @@ def is_loopback(url: str) -> bool:
 
 
 class Client:
+    """A minimal HTTP client for SGLang's ``/generate`` or the OpenAI ``/v1/completions`` API; counts what it sends.
+
+    Never raises on a failed request: the failure comes back as a :class:`Call` with ``error`` set."""
+
     def __init__(self, base: str, api: str, timeout: float) -> None:
         self.base = base.rstrip("/")
         self.api = api

@@ -1,7 +1,7 @@
 """Baselines and peers measured beside kvxfer in the same ``kvxfer bench`` run.
 
 Each runner moves the same bytes the same way as far as its tool allows and returns a
-:class:`~kvxfer.tools.bench.CaseResult` named by its ``transport`` field (``ib_write_bw``,
+:class:`~kvxfer.tools.bench.cases.CaseResult` named by its ``transport`` field (``ib_write_bw``,
 ``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``). A runner whose tool is not installed returns a
 result carrying the reason, so the table says what was skipped and why. ``ib_write_bw`` runs under
 :func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procs
-from . import BenchConfig, CaseResult, PeerSession, Session
+from .cases import BenchConfig, CaseResult, PeerSession, Session
 
 
 @dataclass
 class Runner:
+    """A baseline or peer the bench can run: its name, the transports it is measured on, and its session class."""
+
     name: str
     transports: tuple[str, ...]
     session_cls: Any
@@ -50,8 +52,11 @@ class IbWriteBwSession(Session):
 
     def run_once(self) -> float:
         config = self.config
-        device = config.ib_device or os.environ.get("KVXFER_RDMA_DEVICE", "rxe0")
-        gid = str(config.gid_index if config.gid_index is not None else os.environ.get("KVXFER_GID_INDEX", "1"))
+        verbs = config.transport_options.get("verbs") or {}
+        if not isinstance(verbs, dict):  # a VerbsOptions
+            verbs = vars(verbs)
+        device = verbs.get("device") or "rxe0"  # the soft-RoCE VM's device and GID index by default
+        gid = str(verbs["gid_index"] if verbs.get("gid_index") is not None else 1)
         address = os.environ.get("KVXFER_VM_IP", "127.0.0.1")
         self.port += 1
         args = ["-d", device, "-x", gid, "-F", "-s", str(self.result.page_bytes), "-D", str(self.DURATION),

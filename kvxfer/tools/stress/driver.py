@@ -32,6 +32,8 @@ log = logging.getLogger("kvxfer.stress")
 
 
 class Phase(enum.Enum):
+    """Where an in-flight request is in the driver's loop, in order."""
+
     ADMIT_PREFILL = 1
     ADMIT_DECODE = 2
     WAIT_READY = 3
@@ -43,6 +45,8 @@ class Phase(enum.Enum):
 
 @dataclass
 class Live:
+    """The driver's record of one in-flight request: its plan, phase, progress and, once ended, its outcome."""
+
     plan: RequestPlan
     phase: Phase = Phase.ADMIT_PREFILL
     instance: int = 0
@@ -59,6 +63,9 @@ class Live:
 
 @dataclass
 class StressResult:
+    """Everything a stress run counted and measured; :attr:`ok` is the verdict (no leak, no corruption, no lost
+    page, no rejected request that succeeded, accounting clean, settled)."""
+
     config: StressConfig
     outcomes: Counter = field(default_factory=Counter)
     faults: Counter = field(default_factory=Counter)
@@ -156,6 +163,10 @@ class StressResult:
 
 
 class StressDriver:
+    """Runs one stress workload against a prefill and a decode node process it starts, and owns them and their keys.
+
+    It only talks to the processes it started; they and its key directory do not outlive it."""
+
     def __init__(self, config: StressConfig, *, on_progress: Callable[[StressResult, int], None] | None = None,
                  node_log: Any = None) -> None:
         self.config = config
@@ -194,8 +205,7 @@ class StressDriver:
             "meta_timeout": cfg.transfer_timeout,
             "unsafe_legacy": cfg.unsafe_legacy,
             "heartbeat_interval": 0.5,
-            "ib_device": cfg.ib_device,
-            "gid_index": cfg.gid_index,
+            "transport_options": cfg.transport_options,
             "keyring": self.keyrings[role],
         }
         if cfg.transport == "verbs":

@@ -37,6 +37,8 @@ _LINK_RATE_NAMES = {
 
 @dataclass
 class StressConfig:
+    """A stress run's parameters; checked on construction (known faults, rates in [0, 1], a way to stop)."""
+
     transport: str = "tcp"
     requests: int | None = 200
     duration: float | None = None
@@ -58,8 +60,7 @@ class StressConfig:
     drain_timeout: float = 2.0
     transfer_timeout: float = 30.0
     settle_timeout: float = 60.0
-    ib_device: str | None = None
-    gid_index: int | None = None
+    transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +106,8 @@ class StressConfig:
 
 @dataclass
 class RequestPlan:
+    """One request as the workload drew it: id, prompt tokens, the fault it carries (at most one), chunks."""
+
     rid: str
     tokens: int
     faults: set[str]
@@ -114,6 +117,8 @@ class RequestPlan:
 
 
 class Workload:
+    """Draws request plans from a :class:`StressConfig`, deterministically for a given seed."""
+
     def __init__(self, config: StressConfig) -> None:
         self.config = config
         self._rng = random.Random(config.seed)

@@ -1,5 +1,8 @@
 """The benchmark's two halves, run inside the engine node processes (see :mod:`kvxfer.tools.node`).
 
+Kept beside :mod:`kvxfer.tools.node`, outside :mod:`kvxfer.tools.bench`: the bench drives nodes, a
+node runs these loops, and neither the loops nor the node import the bench (no import cycle).
+
 The decode half admits requests (with random allocation, so destination pages are scattered across
 its pool), waits until each is readable, and releases it; the prefill half admits the same requests,
 waits for their destinations and posts them. Each keeps up to ``concurrency`` requests in flight.
@@ -13,8 +16,8 @@ import collections
 import time
 from typing import Any
 
-from ...core.lifecycle import ReceiverState
-from ...errors import KvxferError, PoolExhausted
+from ..core.lifecycle import ReceiverState
+from ..errors import KvxferError, PoolExhausted
 
 
 def _admit(fn: Any, *args: Any, **kwargs: Any) -> Any:

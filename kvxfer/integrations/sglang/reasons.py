@@ -1,0 +1,5 @@
+"""What kvxfer's SGLang backend writes into failure reasons, shared by :mod:`.conn` (which writes it) and
+the package's ``register`` hook (which reads it), so that :mod:`.conn` needs nothing from the package's
+``__init__``: the package imports :mod:`.conn` lazily, and neither imports the other back."""
+
+ADMISSION_REFUSED = "[kvxfer: refused at admission]"  # leads every failure reason of that kind

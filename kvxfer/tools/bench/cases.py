@@ -1,0 +1,236 @@
+"""The cases of ``kvxfer bench``: its configuration, a case's result, and the sessions that run one case.
+
+:class:`KvxferSession` drives two engine nodes (:mod:`kvxfer.tools.node`); :class:`PeerSession` a
+baseline or peer process pair (:mod:`.peers`). They live here, not in the package's ``__init__``, so
+that :mod:`.baselines` builds on them while the bench (:func:`kvxfer.tools.bench.run_bench`) imports
+:mod:`.baselines`: the dependency runs one way, with no import cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import procs
+from ..node import NodeSpec, spawn
+
+
+@dataclass
+class BenchConfig:
+    """What one ``kvxfer bench`` run measures: transport, bytes per case, page sizes, requests, rounds, baselines."""
+
+    transport: str = "tcp"
+    total_bytes: int = 1 << 30
+    page_sizes: list[int] = field(default_factory=lambda: [65536, 4096])
+    request_bytes: int = 32 << 20
+    concurrency: int = 4
+    repeat: int = 5
+    checks: str = "both"  # on, off, both
+    baselines: list[str] = field(default_factory=lambda: ["raw-socket", "mooncake-tcp", "nixl-ucx-tcp", "ib_write_bw"])
+    transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
+    total_bytes_small_pages: int | None = None
+
+
+@dataclass
+class CaseResult:
+    """One case's measurement: bytes moved per round, the median round's seconds (``seconds``), every counted
+    round (``runs``), extras, and the error that stopped it, if any."""
+
+    transport: str
+    page_bytes: int
+    bytes: int
+    seconds: float
+    checks: str
+    runs: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    @property
+    def pages_per_s(self) -> float:
+        return self.bytes / self.page_bytes / self.seconds if self.seconds else 0.0
+
+    def spread(self) -> tuple[float, float]:
+        if not self.runs:
+            return 0.0, 0.0
+        rates = [self.bytes / s / 1e9 for s in self.runs if s > 0]
+        return min(rates), max(rates)
+
+    def to_dict(self) -> dict[str, Any]:
+        low, high = self.spread()
+        return {
+            "transport": self.transport,
+            "page_bytes": self.page_bytes,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 4),
+            "pages_per_s": round(self.pages_per_s, 1),
+            "checks": self.checks,
+            "repeats": len(self.runs),
+            "gbps_min": round(low, 4),
+            "gbps_max": round(high, 4),
+            "error": self.error,
+            **self.extra,
+        }
+
+
+class Session:
+    """One contestant kept running across rounds; ``run_once`` moves ``bytes`` once, returns seconds."""
+
+    def __init__(self, result: CaseResult) -> None:
+        self.result = result
+
+    def start(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def run_once(self) -> float:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self, *, measure: bool = True) -> None:  # pragma: no cover - overridden
+        """Stop the contestant's processes; ``measure=False`` (a stop signal): skip closing measurements."""
+
+
+def _geometry(config: BenchConfig, page_bytes: int) -> tuple[int, int, int, int]:
+    """(pages per round, pages per request, requests per round, pool pages)."""
+    total = config.total_bytes
+    if page_bytes < 16384 and config.total_bytes_small_pages:
+        total = config.total_bytes_small_pages
+    pages_total = max(1, total // page_bytes)
+    per_request = max(1, min(pages_total, config.request_bytes // page_bytes))
+    requests = -(-pages_total // per_request)
+    return requests * per_request, per_request, requests, 2 * per_request * config.concurrency
+
+
+class KvxferSession(Session):
+    """A prefill and a decode node; each round is ``requests`` requests with up to ``concurrency``
+    in flight, destination and source pages at random across the pools."""
+
+    def __init__(self, config: BenchConfig, page_bytes: int, checks: str, node_log: Any) -> None:
+        pages, self.per_request, self.requests, pool_pages = _geometry(config, page_bytes)
+        super().__init__(CaseResult(transport=f"kvxfer-{config.transport}", page_bytes=page_bytes,
+                                    bytes=pages * page_bytes, seconds=0.0, checks=checks))
+        self.config = config
+        engine = {
+            "max_context": self.per_request,
+            "transport": config.transport,
+            "checksum": "adler32" if checks == "on" else "none",
+            "peer_timeout": 120.0,
+            "transfer_timeout": 600.0,
+            "transport_options": config.transport_options,
+            "alloc_policy": "random",
+        }
+        self.decode_spec = NodeSpec(role="decode", num_buffers=1, item_len=page_bytes, num_pages=pool_pages,
+                                    page_size=1, config={**engine, "seed": 1})
+        self.prefill_spec = NodeSpec(role="prefill", num_buffers=1, item_len=page_bytes,
+                                     num_pages=pool_pages // 2 + self.per_request, page_size=1,
+                                     config={**engine, "seed": 2})
+        self.node_log = node_log
+        self.decode: Any = None
+        self.prefill: Any = None
+        self.round = 0
+        self.post_rates: list[float] = []
+
+    def start(self) -> None:
+        self.decode = spawn(self.decode_spec, stderr=self.node_log)
+        self.prefill = spawn(self.prefill_spec, stderr=self.node_log)
+        self.peer = self.decode.connect(address=self.prefill.control)
+        self.rss_start = self.decode.rss()
+
+    def run_once(self) -> float:
+        self.round += 1
+        plan = [[f"r{self.round}-{i}", self.per_request] for i in range(self.requests)]
+        self.decode.bench_start(requests=plan, concurrency=self.config.concurrency, peer=self.peer)
+        self.prefill.bench_start(requests=plan, concurrency=self.config.concurrency)
+        received = self.decode.bench_wait(timeout=3600)
+        sent = self.prefill.bench_wait(timeout=3600)
+        if not received or "error" in received or received.get("failed"):
+            raise RuntimeError(f"decode half: {received}")
+        if not sent or "error" in sent or sent.get("failed"):
+            raise RuntimeError(f"prefill half: {sent}")
+        if sent.get("post_rate"):
+            self.post_rates.append(sent["post_rate"])
+        return float(received["seconds"])
+
+    def close(self, *, measure: bool = True) -> None:
+        if self.decode is not None and measure:
+            try:
+                end = self.decode.rss()
+                growth = end["peak_rss"] - self.rss_start["rss"]
+                self.result.extra["decode_rss_growth_of_moved"] = round(
+                    growth / max(1, self.result.bytes * max(1, self.round)), 5)
+                path = self.decode.stats().get("data_path", {})
+                if path.get("busy_seconds"):
+                    self.result.extra["recv_payload_share"] = round(path["payload_seconds"] / path["busy_seconds"], 3)
+            except Exception:  # the numbers are extras; never fail the bench on them
+                pass
+        if self.post_rates:
+            self.result.extra["wr_post_rate_per_s"] = round(statistics.median(self.post_rates), 1)
+        for node in (self.prefill, self.decode):
+            if node is not None:
+                node.close()
+
+
+class PeerSession(Session):
+    """A baseline or peer (kvxfer.tools.bench.peers): a target and an initiator process."""
+
+    def __init__(self, name: str, config: BenchConfig, page_bytes: int) -> None:
+        pages, _per, _req, pool_pages = _geometry(config, page_bytes)
+        super().__init__(CaseResult(transport=name, page_bytes=page_bytes, bytes=pages * page_bytes,
+                                    seconds=0.0, checks="off"))
+        self.args = [name, str(pages), str(page_bytes), str(pool_pages)]
+        self.procs: list[Any] = []
+
+    def _spawn(self, role: str, *extra: str) -> tuple[Any, dict[str, Any]]:
+        import os
+        import subprocess
+        import sys
+
+        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
+        proc = procs.popen([sys.executable, "-m", "kvxfer.tools.bench.peers", self.args[0], role, *self.args[1:], *extra],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.procs.append(proc)
+        info = self._read(proc) or {"error": f"{role} exited with {proc.wait()}"}
+        if "error" in info:
+            raise RuntimeError(info["error"])
+        return proc, info
+
+    @staticmethod
+    def _read(proc: Any) -> dict[str, Any] | None:
+        """The next JSON object line; libraries (NIXL, UCX) may print their own lines to stdout."""
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+
+    def start(self) -> None:
+        _target, info = self._spawn("target")
+        self.initiator, _ = self._spawn("initiator", json.dumps(info))
+
+    def run_once(self) -> float:
+        self.initiator.stdin.write("go\n")
+        self.initiator.stdin.flush()
+        info = self._read(self.initiator) or {"error": "initiator died"}
+        if "error" in info:
+            raise RuntimeError(info["error"])
+        return float(info["seconds"])
+
+    def close(self, *, measure: bool = True) -> None:
+        for proc in reversed(self.procs):
+            try:
+                proc.stdin.write("quit\n")
+                proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            procs.stop(proc, grace=20.0 if measure else 2.0)

@@ -1,0 +1,42 @@
+"""Per-transport settings, importable without any fabric's libraries.
+
+One dataclass per registered transport. ``EngineConfig.transport_options`` holds them nested by
+transport name (``{"verbs": {"device": "rxe0"}}``); :meth:`EngineConfig.options` returns the
+validated dataclass for the configured transport. Each field's metadata names its one environment
+variable (``env``) and any older names still accepted with a deprecation warning (``deprecated_env``),
+which :meth:`EngineConfig.from_env` reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TcpOptions:
+    """Settings of the software transport (:mod:`kvxfer.transport.tcp`)."""
+
+    # "host": send and land host pages through the staging buffers GPU pages use (tests and
+    # diagnostics of that pipeline on machines without a GPU); None: only GPU pages are staged
+    staging: str | None = field(default=None, metadata={"env": "KVXFER_TCP_STAGING", "choices": (None, "host")})
+
+
+@dataclass
+class ShmOptions:
+    """Settings of the same-host shared-memory transport (:mod:`kvxfer.transport.shm`)."""
+
+    ring_bytes: int = field(default=64 << 20, metadata={"env": "KVXFER_SHM_RING_BYTES"})  # per connection
+    directory: str = field(default="/dev/shm", metadata={"env": "KVXFER_SHM_DIR"})  # where rings are created
+
+
+@dataclass
+class VerbsOptions:
+    """Settings of the RDMA transport (:mod:`kvxfer.transport.verbs`)."""
+
+    device: str | None = field(default=None, metadata={"env": "KVXFER_IB_DEVICE",
+                                                       "deprecated_env": ("KVXFER_RDMA_DEVICE",)})
+    port: int = field(default=1, metadata={"env": "KVXFER_IB_PORT"})
+    gid_index: int | None = field(default=None, metadata={"env": "KVXFER_GID_INDEX"})
+
+
+OPTIONS: dict[str, type] = {"tcp": TcpOptions, "shm": ShmOptions, "verbs": VerbsOptions}

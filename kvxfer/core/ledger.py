@@ -228,6 +228,26 @@ class PageLedger:
         ok &= self.generation[safe] == np.uint64(generation)
         return ok & in_range
 
+    def check_custody(self, holdings: Iterable[tuple[object, int, np.ndarray, tuple[PageState, ...]]], *,
+                      noun: str = "pages") -> None:
+        """The custody invariant both roles keep: each holding ``(rid, generation, pages, states)`` has
+        its pages in one of ``states`` under its stamp, no page is held twice, and every page that is
+        not FREE has a holder. Raises :class:`LedgerInvariantError` naming the request and pages."""
+        held = np.zeros(self.num_pages, dtype=np.int32)
+        for rid, generation, pages, states in holdings:
+            ok = self.owned_by(pages, generation, states)
+            if not ok.all():
+                raise LedgerInvariantError(
+                    f"{noun} not in {'/'.join(s.name for s in states)} under the request's stamp",
+                    rid=rid, generation=generation, pages=np.asarray(pages)[~ok],
+                )
+            np.add.at(held, _as_pages(pages), 1)
+        if (held > 1).any():
+            raise LedgerInvariantError(f"{noun} held by two requests", pages=np.flatnonzero(held > 1))
+        orphan = np.flatnonzero((held == 0) & (self.state != PageState.FREE))
+        if orphan.size:
+            raise LedgerInvariantError(f"{noun} held by no request", pages=orphan)
+
     def free_pages(self) -> np.ndarray:
         """Free pages in the order they would be handed out (LIFO/FIFO; arbitrary for random)."""
         return self._free.contents()

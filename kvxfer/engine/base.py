@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.layout import KVLayout
 from ..core.pool import PagePool, check_capacity
-from ..errors import ConfigError, EngineClosed, KvxferError, PeerError, ProtocolError
+from ..errors import ConfigError, EngineClosed, KvxferError, PeerError, ProtocolError, TransportError
 from ..transport import registry
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
@@ -55,9 +55,11 @@ def _engine_id(role: str) -> str:
 
 
 class EngineBase:
-    """What both roles share: the page pool, control plane and control thread, events, metrics and close(); ``lock`` guards the role logic, its ledger and its write guard."""
+    """What both roles share: the page pool, control plane and control thread, events, metrics and
+    close(); ``lock`` guards the role logic, its ledger and its write guard."""
 
     role = "engine"
+    worker_name = "worker"  # the checksum worker thread's name
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
         config.validate()
@@ -88,6 +90,32 @@ class EngineBase:
         self._hb_seq = 0
         self._next_heartbeat = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-{self.role}-control", daemon=True)
+        # checksum passes off the data threads: verification on decode, source sums on prefill
+        self._worker = _Worker(f"kvxfer-{self.role}-{self.worker_name}")
+
+    def _role_settings(self) -> dict[str, Any]:
+        """The keyword arguments both role logics (Receiver, Sender) take from the engine."""
+        config = self.config
+        return {"max_context": config.max_context, "checksum": config.checksum, "send": self._send_to_peer,
+                "lock": self.lock, "unsafe_legacy": config.unsafe_legacy, "defer": self._worker.submit,
+                "observer": self._observe}
+
+    def _open_transport(self, build: Any) -> Any:
+        """``build()`` the role's half of the transport; on failure release what the engine holds."""
+        try:
+            return build()
+        except OSError as exc:
+            self._abandon()
+            raise TransportError(f"cannot open the {self.config.transport} transport "
+                                 f"({self.config.host}:{self.config.data_port}): {exc}") from exc
+        except Exception:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Undo a constructor that failed after the control plane and the worker started."""
+        self.control.close()
+        self._worker.close()
 
     def _start(self) -> None:
         if self.config.metrics_port is not None:

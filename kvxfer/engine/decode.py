@@ -9,11 +9,11 @@ from typing import Any
 
 from ..core.layout import KVLayout
 from ..core.lifecycle import ReceiverState
-from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed
 from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
-from .base import ORDERED_MESSAGES, EngineBase, _Worker
+from .base import ORDERED_MESSAGES, EngineBase
 from .config import EngineConfig
 from .reads import KVRead
 from .receiver import PeerInfo, Receiver, ReceiveRequest
@@ -24,39 +24,24 @@ class DecodeEngine(EngineBase):
     """The receiving role: reserves pages, lands verified writes, gates reads."""
 
     role = "decode"
+    worker_name = "verify"
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
         super().__init__(layout, config, faults=faults)
-        self._verifier = _Worker(f"kvxfer-{self.role}-verify")
         self.receiver = Receiver(
             self.pool,
-            max_context=config.max_context,
-            checksum=config.checksum,
             max_inflight=config.max_inflight,
             transfer_timeout=config.transfer_timeout,
             drain_timeout=config.drain_timeout,
-            send=self._send_to_peer,
-            lock=self.lock,
-            unsafe_legacy=config.unsafe_legacy,
-            defer=self._verifier.submit,
-            observer=self._observe,
+            **self._role_settings(),
         )
         self.receiver.guard.on_refused = self._write_refused
-        self._pending_hello: dict[bytes, dict[str, Any]] = {}
         self.receiver.guard.requires_final = self.capabilities.requires_final
+        self._pending_hello: dict[bytes, dict[str, Any]] = {}
         hooks = ReceiverHooks(on_connect=self._on_data_connect, on_ordered=self.receiver.on_ordered,
                               on_closed=self._on_data_closed)
-        try:
-            self.transport: ReceiverBackend = self.transport_factory.receiver(layout, self.receiver.guard, config,
-                                                                              hooks)
-        except OSError as exc:
-            self.control.close()
-            self._verifier.close()
-            raise TransportError(f"cannot listen for data on {config.host}:{config.data_port}: {exc}") from exc
-        except Exception:
-            self.control.close()
-            self._verifier.close()
-            raise
+        self.transport: ReceiverBackend = self._open_transport(
+            lambda: self.transport_factory.receiver(layout, self.receiver.guard, config, hooks))
         self.data_address = self.transport.address
         self._start()
 
@@ -302,7 +287,7 @@ class DecodeEngine(EngineBase):
 
     def _close_transport(self) -> None:
         self.transport.close()
-        self._verifier.close()
+        self._worker.close()
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:

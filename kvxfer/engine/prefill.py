@@ -15,7 +15,7 @@ from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, Tran
 from ..transport.base import LinkRequest, SenderLink, SenderTransport
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
-from .base import EngineBase, _Worker
+from .base import EngineBase
 from .config import EngineConfig
 from .sender import Sender, SendRequest
 
@@ -38,31 +38,20 @@ class PrefillEngine(EngineBase):
     """The writing role: admits prompts, holds source pages, writes them into decode's pages."""
 
     role = "prefill"
+    worker_name = "checksum"
 
     def __init__(self, layout: KVLayout, config: EngineConfig, *, faults: FaultInjector | None = None) -> None:
         super().__init__(layout, config, faults=faults)
-        self._checksummer = _Worker(f"kvxfer-{self.role}-checksum")
         self.sender = Sender(
             self.pool,
-            max_context=config.max_context,
-            checksum=config.checksum,
             meta_timeout=config.meta_timeout,
-            send=self._send_to_peer,
             link_for=self._link_for,
-            lock=self.lock,
-            unsafe_legacy=config.unsafe_legacy,
-            defer=self._checksummer.submit,
-            observer=self._observe,
             max_pending_meta=config.max_pending_meta,
             write_log=self.capabilities.write_log,
+            **self._role_settings(),
         )
         self.peers: dict[str, _Peer] = {}
-        try:
-            self.transport: SenderTransport = self.transport_factory.sender(layout, config)
-        except Exception:
-            self.control.close()
-            self._checksummer.close()
-            raise
+        self.transport: SenderTransport = self._open_transport(lambda: self.transport_factory.sender(layout, config))
         self._start()
 
     # peering ---------------------------------------------------------------------------------------
@@ -227,7 +216,7 @@ class PrefillEngine(EngineBase):
                 peer.link.close(flush=True)
         self.hooks.close()  # links kept by the test hooks go before the transport
         self.transport.close()
-        self._checksummer.close()
+        self._worker.close()
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:

@@ -666,7 +666,6 @@ class Receiver:
         with self.lock:
             self.drain_ended_leases()
             counts = self.ledger.check_invariants()
-            held = np.zeros(self.layout.num_pages, dtype=np.int32)
             expected_states = {
                 R.RESERVED: (PageState.RESERVED, PageState.WRITTEN),
                 R.VERIFYING: (PageState.RESERVED, PageState.WRITTEN),  # window closed, verdict pending
@@ -674,33 +673,24 @@ class Receiver:
                 R.RELEASING: (PageState.READABLE,),  # held for open read leases
                 R.QUARANTINED: (PageState.QUARANTINED,),
             }
+            holdings = []
             for req in self.active.values():
                 allowed = expected_states.get(req.state)
                 if allowed is None:
                     raise LedgerInvariantError(
                         f"active request in state {req.state.value}", rid=req.rid, generation=req.gen
                     )
-                ok = self.ledger.owned_by(req.pages, req.gen, allowed)
-                if not ok.all():
-                    raise LedgerInvariantError(
-                        f"holds pages not in {'/'.join(s.name for s in allowed)} of its generation",
-                        rid=req.rid, generation=req.gen, pages=req.pages[~ok],
-                    )
                 if (req.leases > 0) != (req.state is R.RELEASING) and req.state is not R.READABLE:
                     raise LedgerInvariantError(f"{req.leases} read holds in state {req.state.value}",
                                                rid=req.rid, generation=req.gen)
-                np.add.at(held, req.pages, 1)
                 window = self.guard.window(req.gen)
                 if (req.state is R.RESERVED) != bool(window is not None and window.open):
                     raise LedgerInvariantError(
                         f"write window {'closed' if req.state is R.RESERVED else 'open'} in state "
                         f"{req.state.value}", rid=req.rid, generation=req.gen,
                     )
-            if (held > 1).any():
-                raise LedgerInvariantError("pages held by two requests", pages=np.flatnonzero(held > 1))
-            orphan = np.flatnonzero((held == 0) & (self.ledger.state != PageState.FREE))
-            if orphan.size:
-                raise LedgerInvariantError("held pages no active request owns", pages=orphan)
+                holdings.append((req.rid, req.gen, req.pages, allowed))
+            self.ledger.check_custody(holdings)
             if len(self._free_slots) + len(self.active) != len(set(self._free_slots)) + len(self.active):
                 raise LedgerInvariantError("request slot handed out twice")
             return counts

@@ -763,25 +763,13 @@ class Sender:
         return req.fsm.terminal and req.quiescent
 
     def check_accounting(self) -> dict[str, int]:
-        from ..errors import LedgerInvariantError
 
         with self.lock:
             counts = self.pool.ledger.check_invariants()
-            held = np.zeros(self.layout.num_pages, dtype=np.int32)
             holders = list(self.active.values()) + [
                 r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external
             ]
-            for req in holders:
-                if req.external:
-                    continue
-                ok = self.pool.ledger.owned_by(req.pages, req.local_gen, (PageState.RESERVED,))
-                if not ok.all():
-                    raise LedgerInvariantError("source pages not held under the request's stamp",
-                                               rid=req.rid, pages=req.pages[~ok])
-                np.add.at(held, req.pages, 1)
-            if (held > 1).any():
-                raise LedgerInvariantError("source pages held twice", pages=np.flatnonzero(held > 1))
-            orphan = np.flatnonzero((held == 0) & (self.pool.ledger.state != PageState.FREE))
-            if orphan.size:
-                raise LedgerInvariantError("source pages held by no request", pages=orphan)
+            self.pool.ledger.check_custody(
+                ((req.rid, req.local_gen, req.pages, (PageState.RESERVED,)) for req in holders if not req.external),
+                noun="source pages")
             return counts

@@ -145,8 +145,8 @@ class PrefillEngine(EngineBase):
             self._event("connect_failed", peer=peer.engine, epoch=msg.epoch, error=str(exc)[:500])
             return
         with self.lock:
-            if peer.epoch != msg.epoch or self.peers.get(peer.engine) is not peer:
-                stale = True  # a newer offer or peering arrived meanwhile
+            if peer.epoch != msg.epoch or self.peers.get(peer.engine) is not peer or self._closed:
+                stale = True  # a newer offer or peering arrived meanwhile, or the engine is closing
             else:
                 stale = False
                 peer.link = link
@@ -214,8 +214,13 @@ class PrefillEngine(EngineBase):
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=True)
+        if self._thread.is_alive():  # still opening a link (a slow connect): wait, then close that too
+            self._thread.join(timeout=30)
+            for peer in list(self.peers.values()):
+                if peer.link is not None:
+                    peer.link.close(flush=False)
         self.hooks.close()  # links kept by the test hooks go before the transport
-        self.transport.close()
+        self.transport.close()  # no link of it is left running: a device closes under none
         self._worker.close()
 
     # the API ---------------------------------------------------------------------------------------

@@ -62,6 +62,9 @@ class Capabilities:
     (RDMA WRITE_WITH_IMM) seen on the same connection.
     ``raw_frames``: links accept :meth:`SenderLink.post_raw` (hostile-peer and fault tests).
     ``same_host``: both engines must run on one host (shared memory).
+    ``sees_disconnect``: the receiver notices at once when the writer's end of a connection goes
+    away (a socket closes, a ring is marked closed); where it cannot (an RC queue pair whose peer was
+    destroyed looks idle), a dead writer is found by the peer timeout or the transfer timeout.
     """
 
     write_log: bool = False
@@ -69,6 +72,7 @@ class Capabilities:
     requires_final: bool = False
     raw_frames: bool = False
     same_host: bool = False
+    sees_disconnect: bool = True
 
 
 @dataclass

@@ -35,6 +35,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -380,7 +381,8 @@ class _Peering:
     recv_posted: int = 0
 
 
-CAPABILITIES = Capabilities(write_log=True, ordered_via_control=True, requires_final=True)
+CAPABILITIES = Capabilities(write_log=True, ordered_via_control=True, requires_final=True,
+                            sees_disconnect=False)
 
 
 def encode_offer(epoch: int, qpn: int, psn: int, gid: bytes, mtu: int, addrs: Any, rkeys: Any) -> bytes:
@@ -830,6 +832,13 @@ class VerbsLink(SenderLink):
                         if job[0] == "write":
                             job[1].cancelled = True
                 self._cond.notify_all()
+        if not flush:
+            # Do not wait out the retries of writes to a peer that is gone: the QP goes to ERR now
+            # and every outstanding work request completes (flushed) at once.
+            try:
+                self.endpoint.to_error()
+            except Exception:  # already destroyed by the sending thread
+                pass
         if self.faults is not None:
             self.faults.resume()
         if self._thread is not threading.current_thread():
@@ -849,12 +858,19 @@ class VerbsTransport(SenderTransport):
     def __init__(self, layout: KVLayout, options: VerbsOptions) -> None:
         self.layout = layout
         self.device = VerbsDevice(options, layout, remote_write=False)
+        self._links: weakref.WeakSet[VerbsLink] = weakref.WeakSet()
 
     def connect(self, request: LinkRequest) -> VerbsLink:
-        return VerbsLink(self.layout, self.device, request.blob, engine=request.engine, epoch=request.epoch,
+        link = VerbsLink(self.layout, self.device, request.blob, engine=request.engine, epoch=request.epoch,
                          send_control=request.send_control, on_closed=request.on_closed, faults=request.faults)
+        self._links.add(link)
+        return link
 
     def close(self) -> None:
+        """Close every link still running (their queue pairs go first), then the device: a link's thread
+        polling a completion queue of a closed device would crash the process."""
+        for link in list(self._links):
+            link.close(flush=False)
         self.device.close()
 
 

@@ -40,3 +40,10 @@ def describe() -> str:
     if lib is None:
         return f"pure-Python data path: {_reason}"
     return "native C data path" + (" with zlib-ng checksums in C" if checksums_in_c else "")
+
+
+def provides(*names: str) -> bool:
+    """Whether the loaded extension has every function in ``names``: one built from an older
+    ``native/`` lacks the newer ones (the shm transport's ``ring_copy``), and its callers then take
+    their pure-Python path instead of failing."""
+    return lib is not None and all(hasattr(lib, name) for name in names)

@@ -227,8 +227,12 @@ class DecodeEngine(EngineBase):
         """After connection ``conn`` ended: offer the next epoch from the control thread."""
         with self.lock:
             info = self.receiver.peers.get(conn[0])
-            if info is not None and info.epoch == conn[1] and info.offered <= info.epoch and not self._closed:
+            if info is None or self._closed:
+                return
+            if info.epoch == conn[1] and info.offered <= info.epoch:  # the live connection ended
                 info.conn = None
+                info.reoffer_at = time.monotonic() + 0.05
+            elif info.offered == conn[1] and info.epoch < conn[1]:  # the pending offer died before CONNECT
                 info.reoffer_at = time.monotonic() + 0.05
 
     def fence(self, conn: Any, reason: str, *, offer: bool = True) -> bool:

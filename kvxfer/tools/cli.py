@@ -100,14 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput against raw sockets / ib_write_bw and the peers, as ratios")
     _transport_flags(bench)
-    bench.add_argument("--total", help="bytes per case (default 1G on tcp, 64M on verbs); K/M/G suffixes")
+    bench.add_argument("--total", help="bytes per case (default 1G on tcp and shm, 64M on verbs); K/M/G suffixes")
     bench.add_argument("--total-small", help="bytes for pages under 16 KiB (default: --total)")
     bench.add_argument("--page-bytes", action="append", help="page size (repeatable; default 64K and 4K)")
     bench.add_argument("--request-bytes", default="64M", help="bytes per request (default 64M)")
     bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     bench.add_argument("--repeat", type=int, default=5, help="repetitions per case; the median is reported")
     bench.add_argument("--checks", default="both", choices=["on", "off", "both"])
-    bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw")
+    bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
+                       "scattered-memcpy (default: those that apply to the transport)")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON")
     bench.set_defaults(func=_bench)
 
@@ -181,7 +182,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     defaults = BenchConfig()
     transport = args.engine["transport"]
-    total = _size(args.total) if args.total else (defaults.total_bytes if transport == "tcp" else 64 << 20)
+    total = _size(args.total) if args.total else (defaults.total_bytes if transport != "verbs" else 64 << 20)
     config = BenchConfig(
         **args.engine,
         total_bytes=total,

@@ -25,7 +25,9 @@ class TcpOptions:
 class ShmOptions:
     """Settings of the same-host shared-memory transport (:mod:`kvxfer.transport.shm`)."""
 
-    ring_bytes: int = field(default=64 << 20, metadata={"env": "KVXFER_SHM_RING_BYTES"})  # per connection
+    # per connection; frames stream through it (they may be larger), so a small ring that stays in
+    # cache between the writer's and the reader's copy is the fastest (measured: 4 MiB beat 64 MiB)
+    ring_bytes: int = field(default=4 << 20, metadata={"env": "KVXFER_SHM_RING_BYTES"})
     directory: str = field(default="/dev/shm", metadata={"env": "KVXFER_SHM_DIR"})  # where rings are created
 
 

@@ -570,13 +570,20 @@ class TcpLink(SenderLink):
             self._send_batch_staged(job)
             return
         batch = job.batch
-        for cut in self._frames(batch):
-            if batch.cancelled:
-                job.on_complete(batch, 0, len(batch) - cut.runs_before)
-                return
-            self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
-            if cut.runs_done:
-                job.on_complete(batch, cut.runs_done, 0)
+        reported = 0
+        try:
+            for cut in self._frames(batch):
+                if batch.cancelled:
+                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
+                    return
+                self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
+                if cut.runs_done:
+                    job.on_complete(batch, cut.runs_done, 0)
+                    reported += cut.runs_done
+        except BaseException:
+            if reported < len(batch):  # the connection failed mid-batch: the rest is reported failed
+                job.on_complete(batch, 0, len(batch) - reported)
+            raise
 
     def _frames(self, batch: WriteBatch) -> list[FrameCut]:
         """The frames the batch is cut into: at most :attr:`frame_limit` bytes and

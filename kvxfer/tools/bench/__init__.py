@@ -4,7 +4,8 @@ Each case moves the same bytes (default 1 GiB on tcp) as pages of a given size b
 processes, destination pages allocated at random so they are scattered across the decode pool,
 ``--repeat`` times; the table reports the median and the spread. Baselines are cases of their own:
 ``ib_write_bw`` on the same device for verbs; the plain two-process socket stream and, when
-installed, Mooncake's and NIXL's TCP paths for tcp (:mod:`.baselines`). Speed targets are judged on
+installed, Mooncake's and NIXL's TCP paths for tcp; a single-threaded scattered memcpy of the same
+pages for shm (:mod:`.baselines`). Speed targets are judged on
 the printed ratios, never by timed unit tests.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);

@@ -2,9 +2,10 @@
 
 Each runner moves the same bytes the same way as far as its tool allows and returns a
 :class:`~kvxfer.tools.bench.cases.CaseResult` named by its ``transport`` field (``ib_write_bw``,
-``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``). A runner whose tool is not installed returns a
-result carrying the reason, so the table says what was skipped and why. ``ib_write_bw`` runs under
-:func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
+``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``). A runner whose tool is not
+installed returns a result carrying the reason, so the table says what was skipped and why.
+``ib_write_bw`` runs under :func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
+``scattered-memcpy`` (the shm transport's yardstick) runs in the bench process itself.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procs
-from .cases import BenchConfig, CaseResult, PeerSession, Session
+from .cases import BenchConfig, CaseResult, PeerSession, Session, _geometry
 
 
 @dataclass
@@ -80,6 +81,57 @@ class IbWriteBwSession(Session):
         return self.result.bytes / (rate * 2**20)  # perftest's MB/sec is MiB/s
 
 
+class ScatteredMemcpySession(Session):
+    """The shm transport's yardstick: one thread copying the round's pages from random pages of one
+    pool to random pages of another (pools as large as kvxfer's decode pool), with the native
+    ``copy_runs`` (numpy fancy indexing without the extension): a same-host transfer with no
+    protocol, no checks and a single copy."""
+
+    def __init__(self, name: str, config: BenchConfig, page_bytes: int) -> None:
+        pages, _per, _req, pool_pages = _geometry(config, page_bytes)
+        super().__init__(CaseResult(transport=name, page_bytes=page_bytes, bytes=pages * page_bytes,
+                                    seconds=0.0, checks="off"))
+        self.pages = pages
+        self.pool_pages = pool_pages
+
+    def start(self) -> None:
+        import numpy as np
+
+        from ...core import native
+
+        page = self.result.page_bytes
+        self.src = np.ones((self.pool_pages, page), dtype=np.uint8)  # written: every page is resident
+        self.dst = np.ones((self.pool_pages, page), dtype=np.uint8)
+        self.rng = np.random.default_rng(7)
+        self.lib = native.lib if native.provides("copy_runs") else None
+        self.result.extra["tool"] = "native copy_runs, 1 thread" if self.lib is not None else "numpy, 1 thread"
+
+    def _picks(self) -> Any:
+        import numpy as np
+
+        reps = -(-self.pages // self.pool_pages)
+        return np.concatenate([self.rng.permutation(self.pool_pages) for _ in range(reps)])[: self.pages]
+
+    def run_once(self) -> float:
+        import numpy as np
+
+        src, dst = self._picks(), self._picks()
+        page = self.result.page_bytes
+        if self.lib is None:
+            start = time.perf_counter()
+            self.dst[dst] = self.src[src]
+            return time.perf_counter() - start
+        dst_addr = (np.uint64(self.dst.ctypes.data) + dst.astype(np.uint64) * np.uint64(page)).tobytes()
+        src_addr = (np.uint64(self.src.ctypes.data) + src.astype(np.uint64) * np.uint64(page)).tobytes()
+        lengths = np.full(len(src), page, dtype=np.uint64).tobytes()
+        start = time.perf_counter()
+        self.lib.copy_runs(dst_addr, src_addr, lengths)
+        return time.perf_counter() - start
+
+    def close(self, *, measure: bool = True) -> None:
+        self.src = self.dst = None
+
+
 def _parse_perftest(text: str) -> float | None:
     """BW average (MB/sec) from perftest's result line: '#bytes #iterations BW peak BW average MsgRate'."""
     for line in text.splitlines():
@@ -97,4 +149,5 @@ RUNNERS: dict[str, Runner] = {
     "mooncake-tcp": Runner("mooncake-tcp", ("tcp",), PeerSession),
     "nixl-ucx-tcp": Runner("nixl-ucx-tcp", ("tcp",), PeerSession),
     "ib_write_bw": Runner("ib_write_bw", ("verbs",), IbWriteBwSession),
+    "scattered-memcpy": Runner("scattered-memcpy", ("shm",), ScatteredMemcpySession),
 }

@@ -28,7 +28,8 @@ class BenchConfig:
     concurrency: int = 4
     repeat: int = 5
     checks: str = "both"  # on, off, both
-    baselines: list[str] = field(default_factory=lambda: ["raw-socket", "mooncake-tcp", "nixl-ucx-tcp", "ib_write_bw"])
+    baselines: list[str] = field(default_factory=lambda: ["raw-socket", "mooncake-tcp", "nixl-ucx-tcp", "ib_write_bw",
+                                                          "scattered-memcpy"])
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
 

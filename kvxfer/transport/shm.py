@@ -1,0 +1,1129 @@
+"""The same-host transport: one-sided writes through a shared-memory ring, no socket in the data path.
+
+What it owns: for every connection ``(writer engine, epoch)`` the decode offers, one
+single-producer/single-consumer byte ring in a file under :attr:`ShmOptions.directory`
+(``/dev/shm`` by default), created by the decode (mode 0600, an unguessable name, its memory
+reserved up front with ``posix_fallocate`` so that no access can fault later), and the threads that
+move bytes through it: the decode's *landing thread* per ring (:class:`ShmReceiver`) and the
+prefill's *sending thread* per link (:class:`ShmLink`).
+
+Ring layout (all integers little-endian u64, each word on its own 64-byte line)::
+
+    offset 0     magic "KVXSHMR1", version, data size, creator (decode) pid
+    offset 64    producer position   written by the writer only (store-release)
+    offset 128   consumer position   written by the reader only (store-release)
+    offset 192   writer state        NEW 0 / OPEN 1 / CLOSED 2 (writer)
+    offset 256   reader state        OPEN 1 / FENCED 2 (reader)
+    offset 320   writer pid          (writer, once, for liveness checks)
+    offset 4096  data area of ``size`` bytes
+
+Positions count bytes since the ring was created and only grow; a position's place in the data
+area is ``position % size``. The data area is a byte stream, exactly what a tcp connection carries:
+the very same frames (:mod:`kvxfer.wire.frames`: CONNECT first, then WRITE and ORDERED frames), back
+to back, a frame's bytes continuing at the start of the data area where they reach its end. Both
+sides stream: the writer publishes its position every 256 KiB while it copies a frame in, the
+reader lands those bytes and publishes its own position behind them, so a frame may be larger than
+the ring and the ring's bytes stay in cache between the two copies (a small ring is faster).
+
+The landing thread acts as the tcp receiver thread does (a NIC): it copies every frame's header and
+body out of the ring before checking them (the writer can still change the ring), asks the
+:class:`~kvxfer.core.writeguard.WriteGuard` about every WRITE and copies allowed payloads from the
+ring into the destination pages in C with the GIL released (``ring_copy`` in
+``native/kvxfer_native.c``), taking each item's checksum right after it landed, at the destination
+(the semantics of tcp's ``recv_runs_summed``); refused payloads are read past and never land. An
+ORDERED frame is handed to the engine only after every earlier frame of the ring was landed or
+refused (a drain proof). The consumer position only ever covers bytes already copied out, so the
+writer never overwrites bytes the reader has not finished with.
+
+Waiting never involves a socket or a pipe: both sides poll the other's position with an adaptive
+backoff (a few yields, then sleeps growing to 1 ms).
+
+Invariants:
+
+* a write lands only if the guard allowed it on this ring's connection; the ring's first frame must
+  be CONNECT for the epoch offered, and binds the ring to what ``hooks.on_connect`` returned;
+* :meth:`ShmReceiver.fence` marks the ring FENCED, stops and joins its landing thread, unlinks the
+  file and (through the thread) unmaps it: when it returns nothing from that ring can land. The
+  writer may still write into its own mapping; nobody reads it: that is the revocation. The writer
+  sees FENCED (before every frame, while it waits for space, and every 50 ms when idle) and reports
+  its link closed;
+* a protocol error, the writer's CLOSED with the ring drained, or the writer's process gone ends
+  the connection; every connection that ends is reported exactly once, to the fencer (``fence``
+  returns True) or through ``hooks.on_closed`` (also a ring whose first frame was malformed, under
+  the offered ``(peer, epoch)``);
+* every ring file is removed when its connection starts (both sides have it mapped by then), when
+  its offer is withdrawn, fenced or closed; a receiver also removes ring files left by processes that
+  no longer exist; ``close()`` leaves nothing in the directory;
+* the writer refuses an OFFER from another boot or host (``boot_id``), and opens only a regular
+  file of the ring's name pattern, its own uid, mode 0600, the advertised size and a fresh ring
+  header, so an OFFER cannot make it write into an arbitrary file.
+
+Without the C extension (``KVXFER_PURE_PYTHON=1``) positions are read and written as aligned
+64-bit numpy elements (single loads and stores; ordering relies on x86-64's total store order)
+and payloads move by memoryview copies; item checksums are then left to verification.
+
+GPU pools (not implemented: a non-CPU layout raises :class:`~kvxfer.errors.ConfigError`). CUDA
+IPC slots in beside the ring, which keeps carrying the frames; only the payload stops travelling
+through it. Pull, recommended: the writer exports its source pool once per buffer
+(``cuIpcGetMemHandle``, or ``cuMemExportToShareableHandle`` for ``cuMemCreate`` pools, the file
+descriptor passed over a unix socket) in its ACCEPT blob, which :meth:`ReceiverBackend.accept`
+receives; the decode opens the handles (``cuIpcOpenMemHandle`` / ``cuMemImportFromShareableHandle``
++ ``cuMemMap``). A WRITE frame then carries its run table and the runs' source offsets instead of
+payload; the landing thread asks the guard exactly as now, then issues the allowed runs as
+device-to-device copies on its own stream and records an event; the write is recorded with the
+guard (and item checksums taken by ``kvxfer.core.gpu.kernels.item_checksums`` on the landed pages)
+when the event completed, and an ORDERED frame is handed over only after every earlier event
+completed, which keeps it a drain proof. A fence stops issuing copies, synchronises the stream and
+closes the handles (``cuIpcCloseMemHandle``): afterwards nothing can land, a real revocation as now.
+Push (the writer opens the decode's exported pool and copies on its stream, an event per chunk as
+completion proof, the frame put into the ring once its event completed) is the one-sided mirror, but
+bytes then land before the guard sees them: it needs the verbs transport's write-log semantics
+(``Capabilities(write_log=True)``, the log checked against the guard at DONE), and a fence can only
+stop ordered delivery and ask the writer to close its handles, so fenced pages stay quarantined
+until the writer confirms or its process exits, the limit one rkey per region has on verbs.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..core import native
+from ..core.layout import KVLayout
+from ..core.runs import FrameCut, WriteBatch, cut_frames
+from ..core.writeguard import WriteGuard
+from ..errors import ConfigError, KvxferError, ProtocolError, TransportError, WriteRefused
+from ..wire import frames as f
+from ..wire import messages as m
+from .base import (
+    Capabilities,
+    ConnId,
+    LinkRequest,
+    OnComplete,
+    ReceiverBackend,
+    ReceiverHooks,
+    SenderLink,
+    SenderTransport,
+    TransportFactory,
+)
+from .faults import FaultInjector
+from .options import ShmOptions
+
+log = logging.getLogger("kvxfer.shm")
+
+CAPABILITIES = Capabilities(write_log=False, ordered_via_control=False, requires_final=False, raw_frames=True,
+                            same_host=True)
+ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
+
+# ring format
+MAGIC = int.from_bytes(b"KVXSHMR1", "little")
+RING_VERSION = 1
+HEADER_BYTES = 4096
+W_MAGIC, W_VERSION, W_SIZE, W_CREATOR = 0, 8, 16, 24
+W_PRODUCER = 64
+W_CONSUMER = 128
+W_WRITER_STATE = 192
+W_READER_STATE = 256
+W_WRITER_PID = 320
+WRITER_NEW, WRITER_OPEN, WRITER_CLOSED = 0, 1, 2
+READER_OPEN, READER_FENCED = 1, 2
+MIN_RING_BYTES = 64 << 10
+RING_NAME = re.compile(r"kvxfer-ring-(\d+)-[0-9a-f]{32}")
+
+# data path tuning
+FRAME_MAX_RUNS = 512
+FRAME_BYTES = 32 << 20  # payload of one frame (as tcp), unless an item is larger; frames stream through the ring
+SUM_CHUNK = 256 << 10  # copy this much, checksum it while it is still in cache, publish the position
+PY_CHUNK = 1 << 20  # the pure-Python path moves at most this much between two position updates
+SPINS = 32  # polls with a yield in between before the first sleep
+SLEEP_MIN = 20e-6
+SLEEP_MAX = 1e-3  # the longest a waiting side sleeps between two polls
+IDLE_CHECK = 0.05  # an idle writer looks at the reader's state this often
+LIVENESS_AFTER = 1.0  # a side waiting this long starts checking that the other process exists
+_STALE_AGE = 60.0  # ring files of dead processes older than this are removed by a new receiver
+
+
+def _native() -> Any:
+    """The C extension when it has the ring functions (an extension built from an older native/ does
+    not: then the pure-Python path runs, as under KVXFER_PURE_PYTHON=1)."""
+    return native.lib if native.provides("copy_runs", "ring_copy", "ring_load", "ring_store") else None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:  # pragma: no cover - not Linux
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - exists, another user
+        return True
+    return True
+
+
+class _Backoff:
+    """Adaptive wait: ``SPINS`` yields, then sleeps doubling from ``SLEEP_MIN`` to ``SLEEP_MAX``."""
+
+    __slots__ = ("spins", "delay", "started")
+
+    def __init__(self) -> None:
+        self.spins = 0
+        self.delay = SLEEP_MIN
+        self.started = 0.0
+
+    def pause(self) -> None:
+        if self.spins < SPINS:
+            if self.spins == 0:
+                self.started = time.monotonic()
+            self.spins += 1
+            os.sched_yield()  # lets the other side (and, in one process, its thread) run
+            return
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, SLEEP_MAX)
+
+    def waited(self) -> float:
+        return time.monotonic() - self.started if self.spins else 0.0
+
+
+class _Ring:
+    """One mapped ring: the header words, the data area's address and a memoryview of the mapping."""
+
+    def __init__(self, mm: mmap.mmap, size: int, path: str) -> None:
+        self.mm = mm
+        self.size = size
+        self.path = path
+        self._bytes = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address (a buffer export)
+        self._words = np.frombuffer(mm, dtype=np.uint64, count=HEADER_BYTES // 8)
+        self.base = int(self._bytes.ctypes.data)
+        self.data = self.base + HEADER_BYTES
+        self.view = memoryview(mm)
+        self._lib = _native()
+
+    def load(self, offset: int) -> int:
+        if self._lib is not None:
+            return self._lib.ring_load(self.base + offset)
+        return int(self._words[offset // 8])
+
+    def store(self, offset: int, value: int) -> None:
+        if self._lib is not None:
+            self._lib.ring_store(self.base + offset, value)
+        else:
+            self._words[offset // 8] = value
+
+    def read_into(self, position: int, out: memoryview) -> None:
+        """Copy ``len(out)`` bytes of the stream at ``position`` out of the ring (wrapping at its end)."""
+        length = len(out)
+        offset = position % self.size
+        first = min(length, self.size - offset)
+        out[:first] = self.view[HEADER_BYTES + offset : HEADER_BYTES + offset + first]
+        if length > first:
+            out[first:] = self.view[HEADER_BYTES : HEADER_BYTES + length - first]
+
+    def read(self, position: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.read_into(position, memoryview(out))
+        return bytes(out)
+
+    def write(self, position: int, data: memoryview) -> None:
+        """Copy ``data`` into the stream at ``position`` (wrapping at the ring's end)."""
+        length = len(data)
+        offset = position % self.size
+        first = min(length, self.size - offset)
+        self.view[HEADER_BYTES + offset : HEADER_BYTES + offset + first] = data[:first]
+        if length > first:
+            self.view[HEADER_BYTES : HEADER_BYTES + length - first] = data[first:]
+
+    def close(self) -> None:
+        self._bytes = None  # type: ignore[assignment]
+        self._words = None  # type: ignore[assignment]
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:  # pragma: no cover - a view is still alive somewhere; unmapped when collected
+            log.debug("ring %s: mapping still exported, left to the garbage collector", self.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # pragma: no cover
+        log.warning("cannot remove ring file %s: %s", path, exc)
+
+
+def reap_stale_rings(directory: str) -> int:
+    """Remove ring files of this user whose creating process no longer exists (a SIGKILLed decode
+    between its OFFER and the writer's CONNECT). Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    now = time.time()
+    for name in names:
+        match = RING_NAME.fullmatch(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode) or now - st.st_mtime < _STALE_AGE:
+            continue
+        _unlink(path)
+        removed += 1
+    return removed
+
+
+def _check_cpu(layout: KVLayout) -> None:
+    if layout.device != "cpu":
+        raise ConfigError(f"the shm transport moves host pages only; this layout's pages are on {layout.device} "
+                          "(CUDA IPC for GPU pools is not implemented: use tcp or verbs)")
+
+
+def _options(config: Any) -> ShmOptions:
+    if config is not None and hasattr(config, "options"):
+        try:
+            options = config.options("shm")
+        except (KeyError, ConfigError, TypeError):
+            options = None
+        if isinstance(options, ShmOptions):
+            return options
+    return ShmOptions()
+
+
+def encode_offer(path: str, size: int) -> bytes:
+    """The OFFER blob: where the ring is and which boot and process made it."""
+    return msgpack.packb({"v": 1, "path": path, "size": size, "boot_id": _boot_id(), "pid": os.getpid()},
+                         use_bin_type=True)
+
+
+def decode_offer(blob: bytes) -> dict[str, Any]:
+    """The fields of an shm OFFER blob; ProtocolError for anything malformed, TransportError for a
+    ring on another host or boot."""
+    try:
+        data = msgpack.unpackb(blob, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"shm OFFER blob is not msgpack: {exc}") from None
+    if (not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("path"), str)
+            or not isinstance(data.get("size"), int) or not isinstance(data.get("boot_id"), str)
+            or not isinstance(data.get("pid"), int)):
+        raise ProtocolError("shm OFFER blob must be {v: 1, path: str, size: int, boot_id: str, pid: int}")
+    ours = _boot_id()
+    if data["boot_id"] != ours or not ours:
+        raise TransportError(f"shm OFFER comes from another host or boot (boot_id {data['boot_id']!r}, this host "
+                             f"{ours!r}): the shm transport needs both engines on one host; use tcp or verbs")
+    if not MIN_RING_BYTES <= data["size"] <= 1 << 40:
+        raise ProtocolError(f"shm OFFER names a ring of {data['size']} bytes")
+    if RING_NAME.fullmatch(os.path.basename(data["path"])) is None:
+        raise ProtocolError(f"shm OFFER path {data['path']!r} is not a kvxfer ring")
+    return data
+
+
+# receiving side -------------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    FENCING = "fencing"  # fenced, withdrawn or closed by the receiver: the thread stops, nothing is reported
+    CLOSED = "closed"
+
+
+class _Stopped(Exception):
+    """The receiver stopped this ring (fence, withdraw, close)."""
+
+
+class _Ended(Exception):
+    """The writer closed and the ring is drained (at a frame boundary)."""
+
+
+@dataclass(eq=False)
+class _Inbound:
+    peer: str
+    epoch: int
+    ring: _Ring
+    conn_id: Any = None
+    thread: threading.Thread | None = None
+    state: _State = _State.OPEN
+    consumer: int = 0
+    unlinked: bool = False
+    writer_pid: int | None = None
+    frames: int = 0
+
+
+class ShmReceiver(ReceiverBackend):
+    """The decode side: creates a ring per offered connection and lands its writes through the guard.
+
+    One landing thread per ring polls it, checks every WRITE with the guard, copies allowed payloads
+    into the pool and hands ORDERED messages to ``hooks.on_ordered`` behind every earlier frame."""
+
+    name = "shm"
+    capabilities = CAPABILITIES
+
+    def __init__(self, layout: KVLayout, guard: WriteGuard, *, hooks: ReceiverHooks, checksum: Any = None,
+                 options: ShmOptions | None = None) -> None:
+        from ..core.checksum import ChecksumAlgo, native_id
+
+        _check_cpu(layout)
+        self.layout = layout
+        self.guard = guard
+        self.options = options or ShmOptions()
+        if self.options.ring_bytes < MIN_RING_BYTES:
+            raise ConfigError(f"shm ring_bytes {self.options.ring_bytes} is below the minimum {MIN_RING_BYTES}")
+        self.directory = os.path.realpath(self.options.directory)
+        if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"shm directory {self.options.directory!r} is not a writable directory")
+        self.ring_bytes = self.options.ring_bytes
+        self.hooks = hooks
+        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
+        self._sum_fn = native_id(algo)
+        self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self._dst = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        self._items = layout.item_lens.astype(np.uint64)
+        self.address = f"shm:{self.directory}"
+        self._lock = threading.Lock()
+        self._offers: dict[tuple[str, int], _Inbound] = {}
+        self._conns: dict[Any, _Inbound] = {}
+        self._closed = False
+        self.protocol_errors = 0
+        self.frames = 0
+        self.payload_seconds = 0.0  # time inside payload copies (ring -> pages)
+        self.busy_seconds = 0.0  # time handling frames, from a published frame to done
+        reaped = reap_stale_rings(self.directory)
+        if reaped:
+            log.info("removed %d ring file(s) of processes that no longer exist from %s", reaped, self.directory)
+
+    # offers ----------------------------------------------------------------------------------------
+    def offer(self, peer: str, session: bytes, epoch: int) -> bytes:
+        """Create the ring for connection ``(peer, epoch)``, start its landing thread, return the blob."""
+        with self._lock:
+            if self._closed:
+                raise TransportError("shm receiver is closed")
+            old = self._offers.get((peer, epoch))
+        if old is not None:
+            self.withdraw(peer, epoch)
+        size = self.ring_bytes
+        path = os.path.join(self.directory, f"kvxfer-ring-{os.getpid()}-{secrets.token_hex(16)}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create a ring in {self.directory}: {exc}") from exc
+        try:
+            try:
+                os.posix_fallocate(fd, 0, HEADER_BYTES + size)  # no SIGBUS later on a full tmpfs
+            except OSError as exc:
+                raise TransportError(f"cannot reserve {HEADER_BYTES + size:,} bytes for a ring in "
+                                     f"{self.directory}: {exc} (lower ring_bytes or free space)") from exc
+            mm = mmap.mmap(fd, HEADER_BYTES + size)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        ring = _Ring(mm, size, path)
+        for offset, value in ((W_VERSION, RING_VERSION), (W_SIZE, size), (W_CREATOR, os.getpid()),
+                              (W_PRODUCER, 0), (W_CONSUMER, 0), (W_WRITER_STATE, WRITER_NEW),
+                              (W_READER_STATE, READER_OPEN)):
+            ring.store(offset, value)
+        ring.store(W_MAGIC, MAGIC)  # last: a writer sees a complete header or none
+        inbound = _Inbound(peer, epoch, ring)
+        thread = threading.Thread(target=self._serve, args=(inbound,), name="kvxfer-shm-land", daemon=True)
+        inbound.thread = thread
+        with self._lock:
+            if self._closed:
+                ring.close()
+                _unlink(path)
+                raise TransportError("shm receiver is closed")
+            self._offers[(peer, epoch)] = inbound
+            thread.start()
+        return encode_offer(path, size)
+
+    def withdraw(self, peer: str, epoch: int) -> None:
+        """Forget an offer whose ring never carried a connection: stop its thread, remove its file."""
+        with self._lock:
+            inbound = self._offers.get((peer, epoch))
+            if inbound is None or inbound.conn_id is not None or inbound.state is not _State.OPEN:
+                return
+            self._revoke_locked(inbound)
+        self._stop(inbound)
+        if inbound.conn_id is not None:  # CONNECT was being handled meanwhile: the engine knows the id
+            self.hooks.on_closed(inbound.conn_id, "offer withdrawn")
+
+    # the landing thread --------------------------------------------------------------------------
+    def _serve(self, inbound: _Inbound) -> None:
+        reason = "closed"
+        # the id on_closed reports, unless the receiver stopped the ring: the offered (peer, epoch) until
+        # CONNECT names the connection (a malformed first frame ends the offered connection)
+        report: Any = (inbound.peer, inbound.epoch)
+        try:
+            header, body, _ = self._next_frame(inbound)
+            if header.kind is not f.FrameKind.CONNECT:
+                raise ProtocolError(f"first frame must be CONNECT, got {header.kind.name}")
+            hello = m.decode(body)
+            if not isinstance(hello, m.Connect):
+                raise ProtocolError(f"CONNECT frame carries {hello.TYPE}")
+            if hello.epoch != inbound.epoch:
+                raise ProtocolError(f"CONNECT for epoch {hello.epoch} on the ring offered for epoch {inbound.epoch}")
+            pid = inbound.ring.load(W_WRITER_PID)
+            inbound.writer_pid = pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None
+            conn_id = self.hooks.on_connect(hello)
+            if conn_id is None:
+                report = None
+                reason = f"connection from {hello.engine!r} refused: unknown session"
+                log.warning("shm ring %s: %s", inbound.ring.path, reason)
+                return
+            with self._lock:
+                inbound.conn_id = conn_id  # whoever stopped the ring meanwhile reports it
+                report = conn_id
+                if inbound.state is _State.OPEN:
+                    self._conns[conn_id] = inbound
+            # both sides have the ring mapped: its name is no longer needed
+            _unlink(inbound.ring.path)
+            inbound.unlinked = True
+            while True:
+                header, body, _ = self._next_frame(inbound)
+                t0 = time.perf_counter()
+                if header.kind is f.FrameKind.WRITE:
+                    self._land_write(inbound, header, body)
+                elif header.kind is f.FrameKind.ORDERED:
+                    msg = m.decode(body)
+                    if not isinstance(msg, ORDERED_TYPES):
+                        raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")
+                    if msg.gen != header.generation:
+                        raise ProtocolError(f"ORDERED frame tagged generation {header.generation} carries "
+                                            f"{msg.TYPE} for generation {msg.gen}")
+                    self.hooks.on_ordered(conn_id, msg)
+                else:
+                    raise ProtocolError("second CONNECT on one ring")
+                self.frames += 1
+                inbound.frames += 1
+                self.busy_seconds += time.perf_counter() - t0
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            reason = f"protocol error: {exc}"
+            log.warning("shm connection %s: %s", inbound.conn_id or (inbound.peer, inbound.epoch), reason)
+        except _Ended:
+            reason = "writer closed the connection"
+        except ConnectionError as exc:
+            reason = f"connection lost: {exc}"
+        except _Stopped:
+            pass
+        except Exception as exc:  # a bug must not leave the ring half alive: end it, loudly
+            log.exception("shm connection %s: landing thread failed", inbound.conn_id)
+            reason = f"landing failed: {exc}"
+        finally:
+            self._finish(inbound, reason, report)
+
+    def _next_frame(self, inbound: _Inbound) -> tuple[f.FrameHeader, bytes, int]:
+        """The next frame's header and a copy of its body, consumed; a WRITE's payload is left in the
+        stream for :meth:`_land_write`. Also returns the frame's header and body length."""
+        self._wait(inbound, f.HEADER_SIZE, boundary=True)
+        header = f.parse_header(inbound.ring.read(inbound.consumer, f.HEADER_SIZE))
+        self._consume(inbound, f.HEADER_SIZE)
+        body = bytearray(header.body_len)
+        self._stream(inbound, header.body_len, lambda at, n: inbound.ring.read_into(inbound.consumer, memoryview(body)[at : at + n]))
+        return header, bytes(body), f.HEADER_SIZE + header.body_len
+
+    def _stream(self, inbound: _Inbound, nbytes: int, sink: Callable[[int, int], None] | None) -> None:
+        """Take ``nbytes`` of the stream as the writer publishes them, in pieces: ``sink(done, n)``
+        copies the next ``n`` (None: read past them), then the consumer position moves behind them."""
+        done = 0
+        piece_max = max(1, min(PY_CHUNK, inbound.ring.size // 2))
+        while done < nbytes:
+            piece = min(nbytes - done, piece_max)
+            self._wait(inbound, piece)
+            if sink is not None:
+                sink(done, piece)
+            self._consume(inbound, piece)
+            done += piece
+
+    def _wait(self, inbound: _Inbound, nbytes: int, *, boundary: bool = False) -> None:
+        """Until ``nbytes`` (at most the ring's size) beyond the consumer position are published.
+        When the writer closed first: _Ended at a frame ``boundary`` with nothing left, else
+        ConnectionError; _Stopped when the receiver stopped the ring."""
+        ring = inbound.ring
+        consumer = inbound.consumer
+        backoff: _Backoff | None = None
+        next_check = 0.0
+        while True:
+            if inbound.state is not _State.OPEN:
+                raise _Stopped
+            producer = ring.load(W_PRODUCER)
+            if producer < consumer or producer - consumer > ring.size:
+                raise ProtocolError(f"producer position {producer} is impossible (consumer at {consumer}, "
+                                    f"ring of {ring.size} bytes)")
+            if producer - consumer >= nbytes:
+                return
+            if ring.load(W_WRITER_STATE) == WRITER_CLOSED and ring.load(W_PRODUCER) - consumer < nbytes:
+                if not boundary or ring.load(W_PRODUCER) != consumer:
+                    raise ConnectionError("the writer closed inside a frame")
+                raise _Ended
+            if backoff is None:
+                backoff = _Backoff()
+            backoff.pause()
+            waited = backoff.waited()
+            if waited > LIVENESS_AFTER and waited > next_check:
+                next_check = waited + LIVENESS_AFTER
+                if inbound.writer_pid is not None and not _pid_alive(inbound.writer_pid):
+                    raise ConnectionError(f"the writer's process {inbound.writer_pid} exited")
+
+    def _consume(self, inbound: _Inbound, nbytes: int) -> None:
+        inbound.consumer += nbytes
+        inbound.ring.store(W_CONSUMER, inbound.consumer)
+
+    def _land_write(self, inbound: _Inbound, header: f.FrameHeader, body: bytes) -> None:
+        """Land (or refuse) a WRITE frame's payload, streamed out of the ring as it is published."""
+        runs = f.parse_runs(header, body)
+        try:
+            window, counts = self.guard.check(inbound.conn_id, header.slot, header.generation, runs)
+        except WriteRefused:
+            self._stream(inbound, header.payload_len, None)  # read past, never landed
+            return
+        ring = inbound.ring
+        t0 = time.perf_counter()
+        sums = None
+        lib = _native()
+        if lib is not None:
+            lengths = runs["length"].astype(np.uint64)
+            dst = self._dst_base[runs["buffer"]] + runs["offset"]
+            items = self._items[runs["buffer"]] if self._sum_fn is not None else lengths
+            base = ring.base
+            rc, raw = lib.ring_copy(dst.tobytes(), lengths.tobytes(), items.tobytes(),
+                                    -1 if self._sum_fn is None else self._sum_fn, self._sum_initial, SUM_CHUNK,
+                                    ring.data, ring.size, inbound.consumer, 1, base + W_PRODUCER, base + W_CONSUMER,
+                                    base + W_READER_STATE, READER_FENCED, base + W_WRITER_STATE, WRITER_CLOSED,
+                                    inbound.writer_pid or 0)
+            if rc == 1:
+                raise _Stopped
+            if rc == 2:
+                raise ConnectionError("the writer closed inside a frame")
+            if rc == 3:
+                raise ConnectionError(f"the writer's process {inbound.writer_pid} exited")
+            inbound.consumer += header.payload_len  # ring_copy published it
+            if raw is not None:
+                sums = np.frombuffer(raw, dtype=np.uint32)
+        else:
+            for buffer, offset, length in zip(runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()):
+                target = self._dst[buffer][offset : offset + length]
+                self._stream(inbound, length, lambda at, n, target=target: ring.read_into(inbound.consumer, target[at : at + n]))
+        self.payload_seconds += time.perf_counter() - t0
+        self.guard.record(window, runs, counts, sums)
+
+    def _finish(self, inbound: _Inbound, reason: str, report: Any) -> None:
+        with self._lock:
+            stopped = inbound.state is _State.FENCING
+            inbound.state = _State.CLOSED
+            if inbound.conn_id is not None and self._conns.get(inbound.conn_id) is inbound:
+                del self._conns[inbound.conn_id]
+            if self._offers.get((inbound.peer, inbound.epoch)) is inbound:
+                del self._offers[(inbound.peer, inbound.epoch)]
+        ring = inbound.ring
+        try:
+            ring.store(W_READER_STATE, READER_FENCED)  # the writer stops: nobody reads this ring any more
+        finally:
+            if not inbound.unlinked:
+                _unlink(ring.path)
+                inbound.unlinked = True
+            ring.close()
+        if not stopped and report is not None:
+            self.hooks.on_closed(report, reason)
+
+    @staticmethod
+    def _revoke_locked(inbound: _Inbound) -> None:
+        """With the receiver's lock held and the ring OPEN (so its thread has not unmapped it): mark
+        it FENCING for the thread and FENCED for the writer."""
+        inbound.state = _State.FENCING
+        inbound.ring.store(W_READER_STATE, READER_FENCED)
+
+    def _stop(self, inbound: _Inbound) -> None:
+        """Remove the ring's file and wait for its thread to end (the caller revoked it)."""
+        if not inbound.unlinked:
+            _unlink(inbound.ring.path)
+            inbound.unlinked = True
+        if inbound.thread is not None and inbound.thread is not threading.current_thread():
+            inbound.thread.join()
+
+    # the contract -------------------------------------------------------------------------------------
+    def fence(self, conn: ConnId) -> bool:
+        """Mark the ring FENCED, stop and join its landing thread, remove its file: afterwards nothing
+        from it lands. True if this call ended a live connection, False if it was already gone."""
+        with self._lock:
+            inbound = self._conns.get(conn)
+            if inbound is None or inbound.state is not _State.OPEN:
+                return False
+            self._revoke_locked(inbound)
+        self._stop(inbound)
+        return True
+
+    def connections(self) -> list[ConnId]:
+        with self._lock:
+            return list(self._conns)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            offers = sum(1 for i in self._offers.values() if i.conn_id is None)
+        return {"protocol_errors": self.protocol_errors, "frames": self.frames, "payload_seconds": self.payload_seconds,
+                "busy_seconds": self.busy_seconds, "rings_offered": offers, "ring_bytes": self.ring_bytes}
+
+    def close(self) -> None:
+        """Fence every connection (reporting each through ``on_closed``), withdraw every offer and
+        remove every ring file this receiver created. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with self._lock:
+            rings = list(self._offers.values())  # every ring until its thread finished, connected or not
+        for inbound in rings:
+            with self._lock:
+                mine = inbound.state is _State.OPEN
+                if mine:
+                    self._revoke_locked(inbound)
+            if mine:
+                self._stop(inbound)
+                if inbound.conn_id is not None:  # read after the thread ended: final
+                    self.hooks.on_closed(inbound.conn_id, "receiver closed")
+            elif inbound.thread is not None and inbound.thread is not threading.current_thread():
+                inbound.thread.join(timeout=10)  # ending on its own (and reporting itself)
+
+
+# sending side ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _WriteJob:
+    batch: WriteBatch
+    on_complete: OnComplete
+
+
+@dataclass
+class _OrderedJob:
+    msg: Any  # a Message, or a callable building one when the job's turn comes (DONE)
+    slot: int
+    gen: int
+
+
+@dataclass
+class _RawJob:
+    frame: list[Any]
+
+
+_TICK = object()
+
+
+class _Fenced(Exception):
+    """The reader fenced the ring (or its process is gone): the link is over."""
+
+
+class ShmLink(SenderLink):
+    """The writer's half of one connection: a sending thread that puts frames into the decode's ring.
+
+    Mirrors :class:`~kvxfer.transport.tcp.TcpLink`: jobs for writes, ordered messages and raw frames
+    are handled in order; fault injection hooks act on the same frames."""
+
+    needs_write_log = False  # the receiver records every write as it lands
+
+    def __init__(self, layout: KVLayout, ring: _Ring, *, connect: m.Connect,
+                 on_closed: Callable[[ShmLink, str], None], faults: FaultInjector | None = None,
+                 checksum: Any = None, reader_pid: int | None = None) -> None:
+        from ..core.checksum import ChecksumAlgo, native_id
+
+        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
+        self._sum_fn = native_id(algo)
+        self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self.layout = layout
+        self.ring = ring
+        self.address = f"shm:{ring.path}"
+        self.conn_id = (connect.engine, connect.epoch)
+        self.epoch = connect.epoch
+        self.accept_blob = b""
+        self._on_closed = on_closed
+        self.faults = faults
+        self._reader_pid = reader_pid
+        self._src = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
+        self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        self._items = layout.item_lens.astype(np.uint64)
+        self.frame_limit = max(FRAME_BYTES, int(layout.item_lens.max()))  # frames stream: any size fits the ring
+        if self.frame_limit > f.MAX_PAYLOAD:
+            raise TransportError(f"an item of {self.frame_limit} bytes is larger than a frame may carry "
+                                 f"({f.MAX_PAYLOAD} bytes)")
+        self._abort_word = np.zeros(1, dtype=np.uint64)  # ring_copy gives up when this is 1 (abort)
+        self._producer = 0
+        self._queue: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._alive = True
+        self._closing = False
+        self._abort = False
+        self._reported = False
+        self._unmapped = False
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        ring.store(W_WRITER_PID, os.getpid())
+        ring.store(W_WRITER_STATE, WRITER_OPEN)
+        try:
+            self._write_pieces([f.message_frame(f.FrameKind.CONNECT, m.encode(connect))])
+        except _Fenced as exc:
+            self._release_ring()
+            raise TransportError(f"shm ring {ring.path} was fenced before the writer connected") from exc
+        self._thread = threading.Thread(target=self._run, name="kvxfer-shm-send", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    # posting -------------------------------------------------------------------------------------------
+    def post_writes(self, batch: WriteBatch, on_complete: OnComplete) -> None:
+        self._post(_WriteJob(batch, on_complete))
+
+    def post_ordered(self, msg: Any, *, slot: int, gen: int) -> None:
+        """Put ``msg`` (or what ``msg()`` builds, for DONE) into the ring after every earlier frame."""
+        self._post(_OrderedJob(msg, slot, gen))
+
+    def post_raw(self, pieces: list[Any]) -> None:
+        """Put prepared frame bytes into the ring as they are, back to back (fault replay, hostile tests)."""
+        self._post(_RawJob(pieces))
+
+    def _post(self, job: Any) -> None:
+        with self._cond:
+            if not self._alive or self._closing:
+                raise TransportError(f"shm connection {self.conn_id} is closed")
+            self._queue.append(job)
+            self._cond.notify()
+
+    # the ring ---------------------------------------------------------------------------------------------
+    def _check_reader(self) -> None:
+        if self.ring.load(W_READER_STATE) != READER_OPEN:
+            raise _Fenced("the receiver fenced or closed the connection")
+
+    def _wait_free(self, nbytes: int) -> None:
+        """Until ``nbytes`` after the producer position are free; _Fenced if the reader is gone."""
+        ring = self.ring
+        limit = self._producer + nbytes - ring.size
+        backoff: _Backoff | None = None
+        next_check = 0.0
+        while True:
+            if ring.load(W_CONSUMER) >= limit:
+                return
+            self._check_reader()
+            if self._abort:
+                raise _Fenced("link aborted")
+            if backoff is None:
+                backoff = _Backoff()
+            backoff.pause()
+            waited = backoff.waited()
+            if waited > LIVENESS_AFTER and waited > next_check:
+                next_check = waited + LIVENESS_AFTER
+                if self._reader_pid is not None and not _pid_alive(self._reader_pid):
+                    raise _Fenced(f"the receiver's process {self._reader_pid} exited")
+
+    def _publish(self, nbytes: int) -> None:
+        self._producer += nbytes
+        self.ring.store(W_PRODUCER, self._producer)
+
+    def _write_pieces(self, pieces: list[Any]) -> None:
+        """Stream ``pieces`` (buffers) into the ring back to back, publishing as room allows."""
+        if self._abort:
+            raise _Fenced("link aborted")
+        self._check_reader()
+        piece_max = max(1, min(PY_CHUNK, self.ring.size // 2))
+        for piece in pieces:
+            data = memoryview(piece).cast("B")
+            done = 0
+            while done < len(data):
+                step = min(len(data) - done, piece_max)
+                self._wait_free(step)
+                self.ring.write(self._producer, data[done : done + step])
+                self._publish(step)
+                done += step
+
+    # the sending thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "closed"
+        try:
+            while True:
+                job = self._next_job()
+                if self.faults is not None:
+                    self.faults.wait_if_paused()
+                    for frame in self.faults.due_late():
+                        self._write_pieces(frame)
+                if job is None:
+                    break
+                if job is _TICK:
+                    self._check_reader()
+                    continue
+                if isinstance(job, _WriteJob):
+                    self._send_batch(job)
+                elif isinstance(job, _OrderedJob):
+                    msg = job.msg() if callable(job.msg) else job.msg
+                    self._write_pieces([f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot,
+                                                        generation=job.gen)])
+                else:
+                    self._write_pieces(job.frame)
+                self.frames_sent += 1
+        except _Fenced as exc:
+            reason = str(exc)
+        except KvxferError as exc:
+            reason = f"send failed: {exc}"
+            log.warning("shm connection %s: %s", self.conn_id, reason)
+        finally:
+            self._shutdown(reason)
+
+    def _next_job(self) -> Any:
+        """The next job; ``_TICK`` when a late frame fell due or it is time to look at the reader."""
+        with self._cond:
+            while not self._queue:
+                if self._closing or self._abort:
+                    return None
+                wait = IDLE_CHECK
+                due = self.faults.next_due() if self.faults is not None else None
+                if due is not None:
+                    wait = min(wait, due - time.monotonic())
+                    if wait <= 0:
+                        return _TICK
+                if not self._cond.wait(wait):
+                    return _TICK
+            return self._queue.popleft()
+
+    def _send_batch(self, job: _WriteJob) -> None:
+        job.batch.wait_sources()
+        batch = job.batch
+        reported = 0
+        try:
+            for cut in cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS):
+                if batch.cancelled:
+                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
+                    return
+                self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
+                if cut.runs_done:
+                    reported += cut.runs_done
+                    job.on_complete(batch, cut.runs_done, 0)
+        except (_Fenced, KvxferError):  # the link ends: the batch's unsent runs are reported failed
+            if reported < len(batch):
+                job.on_complete(batch, 0, len(batch) - reported)
+            raise
+
+    def _send_frame(self, batch: WriteBatch, cut: FrameCut, *, last: bool) -> None:
+        buffers, size = cut.buffers, cut.nbytes
+        header = f.write_header(batch.slot, batch.gen, len(cut.lengths), size)
+        runs = f.pack_runs(buffers, cut.dst_offsets, cut.lengths)
+        lib = _native()
+        if self.faults is None and lib is not None:  # streamed: published piece by piece as it is copied
+            ring = self.ring
+            self._write_pieces([header, runs])
+            lengths = cut.lengths.astype(np.uint64)
+            src = self._src_base[buffers] + cut.src_offsets.astype(np.uint64)
+            summed = self._sum_fn is not None and batch.sums_ready is None
+            items = self._items[buffers] if summed else lengths
+            base = ring.base
+            rc, raw = lib.ring_copy(src.tobytes(), lengths.tobytes(), items.tobytes(),
+                                    self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK,
+                                    ring.data, ring.size, self._producer, 0, base + W_CONSUMER, base + W_PRODUCER,
+                                    base + W_READER_STATE, READER_FENCED, int(self._abort_word.ctypes.data), 1,
+                                    self._reader_pid or 0)
+            if rc == 1:
+                raise _Fenced("the receiver fenced or closed the connection")
+            if rc == 2:
+                raise _Fenced("link aborted")
+            if rc == 3:
+                raise _Fenced(f"the receiver's process {self._reader_pid} exited")
+            self._producer += size  # ring_copy published it
+            if raw is not None:
+                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
+            self.bytes_sent += size
+            return
+        payload: list[Any] = [self._src[b][o : o + n]
+                              for b, o, n in zip(buffers.tolist(), cut.src_offsets.tolist(), cut.lengths.tolist())]
+        if self.faults is not None:
+            decision = self.faults.on_write(batch)
+            if decision["slow"]:
+                time.sleep(self.faults.config.slow_delay_s)
+            if decision["flip"]:
+                victim = self.faults.pick(len(payload))
+                copy = bytearray(payload[victim])
+                self.faults.flip(copy)
+                payload[victim] = copy
+            frame = [header, runs, *payload]
+            if decision["capture"] or decision["late"]:
+                snapshot = [header, runs, b"".join(bytes(p) for p in payload)]
+                if decision["capture"]:
+                    self.faults.keep_captured(snapshot)
+                if decision["late"]:
+                    self.faults.hold_late(snapshot)
+            self._write_pieces(frame)
+            if decision["duplicate"]:
+                self._write_pieces(frame)
+        else:
+            self._write_pieces([header, runs, *payload])
+        self.bytes_sent += size
+
+    def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
+        """Append one frame's item checksums to the batch's (frames go out in batch order)."""
+        if batch.item_sums is None:
+            items = batch.lengths // self.layout.item_lens[batch.buffers]
+            batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
+            batch.sums_filled = 0
+        batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums
+        batch.sums_filled += len(sums)
+        if last and batch.sums_filled == len(batch.item_sums):
+            batch.sums_done = True
+
+    def _release_ring(self) -> None:
+        if self._unmapped:
+            return
+        self._unmapped = True
+        try:
+            self.ring.store(W_WRITER_STATE, WRITER_CLOSED)
+        finally:
+            self.ring.close()
+
+    def _shutdown(self, reason: str) -> None:
+        with self._cond:
+            self._alive = False
+            pending = list(self._queue)
+            self._queue.clear()
+        for job in pending:
+            if isinstance(job, _WriteJob):
+                job.on_complete(job.batch, 0, len(job.batch))
+        self._release_ring()  # the producer position is final before CLOSED is stored
+        if not self._reported:
+            self._reported = True
+            self._on_closed(self, reason)
+
+    def close(self, *, flush: bool = True) -> None:
+        """Stop the link. With ``flush`` queued frames are put into the ring first; idempotent."""
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                if not flush:
+                    for job in self._queue:
+                        if isinstance(job, _WriteJob):
+                            job.batch.cancelled = True
+                self._cond.notify_all()
+        if self.faults is not None:
+            self.faults.resume()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():  # waiting for room the reader never makes: give up
+                self._abort = True
+                self._abort_word[0] = 1
+                self._thread.join(timeout=5)
+
+    def abort_connection(self) -> None:
+        """Drop the connection at once (a crashed writer): nothing more is put into the ring."""
+        self._abort = True
+        self._abort_word[0] = 1
+        with self._cond:
+            self._cond.notify_all()
+
+
+class ShmTransport(SenderTransport):
+    """The prefill side: maps the ring an OFFER names and opens one :class:`ShmLink` on it."""
+
+    name = "shm"
+    capabilities = CAPABILITIES
+
+    def __init__(self, layout: KVLayout, *, checksum: Any = None, options: ShmOptions | None = None) -> None:
+        _check_cpu(layout)
+        self.layout = layout
+        self.checksum = checksum
+        self.options = options or ShmOptions()
+
+    def connect(self, request: LinkRequest) -> ShmLink:
+        offer = decode_offer(request.blob)
+        ring = _open_ring(offer["path"], offer["size"])
+        pid = offer["pid"]
+        try:
+            connect = m.Connect(engine=request.engine, session=request.session, epoch=request.epoch)
+            return ShmLink(self.layout, ring, connect=connect, on_closed=request.on_closed, faults=request.faults,
+                           checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None)
+        except BaseException:
+            if not ring.mm.closed:
+                ring.close()
+            raise
+
+
+def _open_ring(path: str, size: int) -> _Ring:
+    """Map the ring an OFFER names, after checking it is one: a fresh kvxfer ring of this user."""
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise TransportError(f"cannot open the shm ring {path}: {exc} (both engines need the same host and "
+                             "shm directory)") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise TransportError(f"{path} is not a private ring file of this user")
+        if st.st_size != HEADER_BYTES + size:
+            raise TransportError(f"ring {path} holds {st.st_size} bytes, the OFFER says {HEADER_BYTES + size}")
+        mm = mmap.mmap(fd, HEADER_BYTES + size)
+    finally:
+        os.close(fd)
+    ring = _Ring(mm, size, path)
+    try:
+        if (ring.load(W_MAGIC) != MAGIC or ring.load(W_VERSION) != RING_VERSION or ring.load(W_SIZE) != size):
+            raise TransportError(f"{path} does not hold a version {RING_VERSION} kvxfer ring of {size} bytes")
+        if ring.load(W_WRITER_STATE) != WRITER_NEW or ring.load(W_PRODUCER) != 0:
+            raise TransportError(f"ring {path} already has a writer")
+        if ring.load(W_READER_STATE) != READER_OPEN:
+            raise TransportError(f"ring {path} was fenced before the writer connected")
+    except BaseException:
+        ring.close()
+        raise
+    return ring
+
+
+def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> ShmReceiver:
+    return ShmReceiver(layout, guard, hooks=hooks, checksum=getattr(config, "checksum", None),
+                       options=_options(config))
+
+
+def _sender(layout: KVLayout, config: Any) -> ShmTransport:
+    return ShmTransport(layout, checksum=getattr(config, "checksum", None), options=_options(config))
+
+
+def _available() -> tuple[bool, str]:
+    directory = os.environ.get("KVXFER_SHM_DIR") or ShmOptions().directory
+    if not _boot_id():
+        return False, "no /proc/sys/kernel/random/boot_id (shm needs Linux)"
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        return False, f"{directory} is not a writable directory (set KVXFER_SHM_DIR)"
+    return True, ""
+
+
+TRANSPORT = TransportFactory(
+    name="shm",
+    summary="one-sided writes through a shared-memory ring (prefill and decode on one host; no socket in the data path)",
+    capabilities=CAPABILITIES,
+    receiver=_receiver,
+    sender=_sender,
+    options=ShmOptions,
+    available=_available,
+)
+
+__all__ = ["ShmLink", "ShmReceiver", "ShmTransport", "TRANSPORT", "decode_offer", "encode_offer", "reap_stale_rings"]

@@ -26,9 +26,11 @@ def _run(tmp_path, *extra):
     return proc, json.loads(out.read_text()), png
 
 
-def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path):
-    proc, report, png = _run(tmp_path, "--all-faults", "0.06", "--seed", "3")
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # verbs: tools/softroce/ci-verbs runs it in the VM
+def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path, transport):
+    proc, report, png = _run(tmp_path, "--all-faults", "0.06", "--seed", "3", "--transport", transport)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["transport"] == transport
     assert report["leaked_pages"] == 0 and report["corrupted_pages"] == 0 and report["lost_pages"] == 0
     assert report["rejected_succeeded"] == 0 and report["quarantined_at_end"] == 0
     assert report["pool_free_at_end"] == report["pool_total"] == 2048
@@ -45,8 +47,10 @@ def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_unsafe_legacy_negative_control_reports_leaks_and_fails(tmp_path):
-    proc, report, _ = _run(tmp_path, "--unsafe-legacy", "--fault", "oversized=0.25", "--seed", "3")
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_unsafe_legacy_negative_control_reports_leaks_and_fails(tmp_path, transport):
+    proc, report, _ = _run(tmp_path, "--unsafe-legacy", "--fault", "oversized=0.25", "--seed", "3",
+                           "--transport", transport)
     assert proc.returncode != 0
     assert report["leaked_pages"] > 0
     assert report["rejected_succeeded"] > 0

@@ -85,7 +85,6 @@ until the writer confirms or its process exits, the limit one rkey per region ha
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import mmap
@@ -113,14 +112,13 @@ from .base import (
     Capabilities,
     ConnId,
     LinkRequest,
-    OnComplete,
     ReceiverBackend,
     ReceiverHooks,
-    SenderLink,
     SenderTransport,
     TransportFactory,
 )
 from .faults import FaultInjector
+from .framed import TICK, FrameLink, OrderedJob, WriteJob
 from .options import ShmOptions
 
 log = logging.getLogger("kvxfer.shm")
@@ -714,55 +712,24 @@ class ShmReceiver(ReceiverBackend):
 # sending side ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class _WriteJob:
-    batch: WriteBatch
-    on_complete: OnComplete
-
-
-@dataclass
-class _OrderedJob:
-    msg: Any  # a Message, or a callable building one when the job's turn comes (DONE)
-    slot: int
-    gen: int
-
-
-@dataclass
-class _RawJob:
-    frame: list[Any]
-
-
-_TICK = object()
-
-
 class _Fenced(Exception):
     """The reader fenced the ring (or its process is gone): the link is over."""
 
 
-class ShmLink(SenderLink):
+class ShmLink(FrameLink):
     """The writer's half of one connection: a sending thread that puts frames into the decode's ring.
 
     Mirrors :class:`~kvxfer.transport.tcp.TcpLink`: jobs for writes, ordered messages and raw frames
     are handled in order; fault injection hooks act on the same frames."""
 
-    needs_write_log = False  # the receiver records every write as it lands
-
     def __init__(self, layout: KVLayout, ring: _Ring, *, connect: m.Connect,
                  on_closed: Callable[[ShmLink, str], None], faults: FaultInjector | None = None,
                  checksum: Any = None, reader_pid: int | None = None) -> None:
-        from ..core.checksum import ChecksumAlgo, native_id
-
-        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
-        self._sum_fn = native_id(algo)
-        self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
         self.layout = layout
         self.ring = ring
         self.address = f"shm:{ring.path}"
-        self.conn_id = (connect.engine, connect.epoch)
-        self.epoch = connect.epoch
         self.accept_blob = b""
-        self._on_closed = on_closed
-        self.faults = faults
         self._reader_pid = reader_pid
         self._src = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -773,15 +740,8 @@ class ShmLink(SenderLink):
                                  f"({f.MAX_PAYLOAD} bytes)")
         self._abort_word = np.zeros(1, dtype=np.uint64)  # ring_copy gives up when this is 1 (abort)
         self._producer = 0
-        self._queue: collections.deque[Any] = collections.deque()
-        self._cond = threading.Condition()
-        self._alive = True
-        self._closing = False
         self._abort = False
-        self._reported = False
         self._unmapped = False
-        self.frames_sent = 0
-        self.bytes_sent = 0
         ring.store(W_WRITER_PID, os.getpid())
         ring.store(W_WRITER_STATE, WRITER_OPEN)
         try:
@@ -791,29 +751,6 @@ class ShmLink(SenderLink):
             raise TransportError(f"shm ring {ring.path} was fenced before the writer connected") from exc
         self._thread = threading.Thread(target=self._run, name="kvxfer-shm-send", daemon=True)
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    # posting -------------------------------------------------------------------------------------------
-    def post_writes(self, batch: WriteBatch, on_complete: OnComplete) -> None:
-        self._post(_WriteJob(batch, on_complete))
-
-    def post_ordered(self, msg: Any, *, slot: int, gen: int) -> None:
-        """Put ``msg`` (or what ``msg()`` builds, for DONE) into the ring after every earlier frame."""
-        self._post(_OrderedJob(msg, slot, gen))
-
-    def post_raw(self, pieces: list[Any]) -> None:
-        """Put prepared frame bytes into the ring as they are, back to back (fault replay, hostile tests)."""
-        self._post(_RawJob(pieces))
-
-    def _post(self, job: Any) -> None:
-        with self._cond:
-            if not self._alive or self._closing:
-                raise TransportError(f"shm connection {self.conn_id} is closed")
-            self._queue.append(job)
-            self._cond.notify()
 
     # the ring ---------------------------------------------------------------------------------------------
     def _check_reader(self) -> None:
@@ -873,12 +810,12 @@ class ShmLink(SenderLink):
                         self._write_pieces(frame)
                 if job is None:
                     break
-                if job is _TICK:
+                if job is TICK:
                     self._check_reader()
                     continue
-                if isinstance(job, _WriteJob):
+                if isinstance(job, WriteJob):
                     self._send_batch(job)
-                elif isinstance(job, _OrderedJob):
+                elif isinstance(job, OrderedJob):
                     msg = job.msg() if callable(job.msg) else job.msg
                     self._write_pieces([f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot,
                                                         generation=job.gen)])
@@ -894,7 +831,7 @@ class ShmLink(SenderLink):
             self._shutdown(reason)
 
     def _next_job(self) -> Any:
-        """The next job; ``_TICK`` when a late frame fell due or it is time to look at the reader."""
+        """The next job; ``TICK`` when a late frame fell due or it is time to look at the reader."""
         with self._cond:
             while not self._queue:
                 if self._closing or self._abort:
@@ -904,28 +841,15 @@ class ShmLink(SenderLink):
                 if due is not None:
                     wait = min(wait, due - time.monotonic())
                     if wait <= 0:
-                        return _TICK
+                        return TICK
                 if not self._cond.wait(wait):
-                    return _TICK
+                    return TICK
             return self._queue.popleft()
 
-    def _send_batch(self, job: _WriteJob) -> None:
+    def _send_batch(self, job: WriteJob) -> None:
         job.batch.wait_sources()
-        batch = job.batch
-        reported = 0
-        try:
-            for cut in cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS):
-                if batch.cancelled:
-                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
-                    return
-                self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
-                if cut.runs_done:
-                    reported += cut.runs_done
-                    job.on_complete(batch, cut.runs_done, 0)
-        except (_Fenced, KvxferError):  # the link ends: the batch's unsent runs are reported failed
-            if reported < len(batch):
-                job.on_complete(batch, 0, len(batch) - reported)
-            raise
+        cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
+        self._send_batch_frames(job, cuts, lambda batch, cut, last: self._send_frame(batch, cut, last=last))
 
     def _send_frame(self, batch: WriteBatch, cut: FrameCut, *, last: bool) -> None:
         buffers, size = cut.buffers, cut.nbytes
@@ -959,38 +883,10 @@ class ShmLink(SenderLink):
         payload: list[Any] = [self._src[b][o : o + n]
                               for b, o, n in zip(buffers.tolist(), cut.src_offsets.tolist(), cut.lengths.tolist())]
         if self.faults is not None:
-            decision = self.faults.on_write(batch)
-            if decision["slow"]:
-                time.sleep(self.faults.config.slow_delay_s)
-            if decision["flip"]:
-                victim = self.faults.pick(len(payload))
-                copy = bytearray(payload[victim])
-                self.faults.flip(copy)
-                payload[victim] = copy
-            frame = [header, runs, *payload]
-            if decision["capture"] or decision["late"]:
-                snapshot = [header, runs, b"".join(bytes(p) for p in payload)]
-                if decision["capture"]:
-                    self.faults.keep_captured(snapshot)
-                if decision["late"]:
-                    self.faults.hold_late(snapshot)
-            self._write_pieces(frame)
-            if decision["duplicate"]:
-                self._write_pieces(frame)
+            self._send_with_faults(batch, header, runs, payload, self._write_pieces)
         else:
             self._write_pieces([header, runs, *payload])
         self.bytes_sent += size
-
-    def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
-        """Append one frame's item checksums to the batch's (frames go out in batch order)."""
-        if batch.item_sums is None:
-            items = batch.lengths // self.layout.item_lens[batch.buffers]
-            batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
-            batch.sums_filled = 0
-        batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums
-        batch.sums_filled += len(sums)
-        if last and batch.sums_filled == len(batch.item_sums):
-            batch.sums_done = True
 
     def _release_ring(self) -> None:
         if self._unmapped:
@@ -1002,30 +898,13 @@ class ShmLink(SenderLink):
             self.ring.close()
 
     def _shutdown(self, reason: str) -> None:
-        with self._cond:
-            self._alive = False
-            pending = list(self._queue)
-            self._queue.clear()
-        for job in pending:
-            if isinstance(job, _WriteJob):
-                job.on_complete(job.batch, 0, len(job.batch))
+        self._fail_queued()
         self._release_ring()  # the producer position is final before CLOSED is stored
-        if not self._reported:
-            self._reported = True
-            self._on_closed(self, reason)
+        self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
         """Stop the link. With ``flush`` queued frames are put into the ring first; idempotent."""
-        with self._cond:
-            if not self._closing:
-                self._closing = True
-                if not flush:
-                    for job in self._queue:
-                        if isinstance(job, _WriteJob):
-                            job.batch.cancelled = True
-                self._cond.notify_all()
-        if self.faults is not None:
-            self.faults.resume()
+        self._begin_close(flush)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
             if self._thread.is_alive():  # waiting for room the reader never makes: give up

@@ -26,7 +26,6 @@ exactly once, either to the fencer (return value) or through ``on_closed``.
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import socket
@@ -51,11 +50,11 @@ from .base import (
     LinkRequest,
     ReceiverBackend,
     ReceiverHooks,
-    SenderLink,
     SenderTransport,
     TransportFactory,
 )
 from .faults import FaultInjector
+from .framed import TICK, FrameLink, OrderedJob, WriteJob
 from .options import TcpOptions
 from .staging import Staging, copy_engine, packed_offsets
 
@@ -420,28 +419,7 @@ class TcpReceiver(ReceiverBackend):
 # sending side ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class _WriteJob:
-    batch: WriteBatch
-    on_complete: Callable[[WriteBatch, int, int], None]
-
-
-@dataclass
-class _OrderedJob:
-    msg: Any  # a Message, or a callable building one when the job's turn comes (DONE)
-    slot: int
-    gen: int
-
-
-@dataclass
-class _RawJob:
-    frame: list[Any]
-
-
-_TICK = object()
-
-
-class TcpLink(SenderLink):
+class TcpLink(FrameLink):
     """One data connection to one receiver, with its own sending thread."""
 
     def __init__(
@@ -456,17 +434,9 @@ class TcpLink(SenderLink):
         checksum: Any = None,
         staging: str | None = None,
     ) -> None:
-        from ..core.checksum import ChecksumAlgo, native_id
-
-        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
-        self._sum_fn = native_id(algo)  # item checksums taken while sending, in the same C loop
-        self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
         self.layout = layout
         self.address = address
-        self.conn_id = (connect.engine, connect.epoch)
-        self.epoch = connect.epoch
-        self._on_closed = on_closed
-        self.faults = faults
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -483,39 +453,9 @@ class TcpLink(SenderLink):
             raise TransportError(f"cannot open data connection to {address}: {exc}") from exc
         self._sock.settimeout(None)
         _tune(self._sock)
-        self._queue: collections.deque[Any] = collections.deque()
-        self._cond = threading.Condition()
-        self._alive = True
-        self._closing = False
-        self._reported = False
-        self.frames_sent = 0
-        self.bytes_sent = 0
         send_all(self._sock, [f.message_frame(f.FrameKind.CONNECT, m.encode(connect))])
         self._thread = threading.Thread(target=self._run, name="kvxfer-tcp-send", daemon=True)
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    # posting -------------------------------------------------------------------------------------------
-    def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None:
-        self._post(_WriteJob(batch, on_complete))
-
-    def post_ordered(self, msg: Any, *, slot: int, gen: int) -> None:
-        """Send ``msg`` (or what ``msg()`` builds, for DONE) after every frame posted before it."""
-        self._post(_OrderedJob(msg, slot, gen))
-
-    def post_raw(self, pieces: list[Any]) -> None:
-        """Send prepared frame bytes as they are (fault replay, hostile-peer tests)."""
-        self._post(_RawJob(pieces))
-
-    def _post(self, job: Any) -> None:
-        with self._cond:
-            if not self._alive or self._closing:
-                raise TransportError(f"data connection to {self.address} is closed")
-            self._queue.append(job)
-            self._cond.notify()
 
     # the sending thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -529,11 +469,11 @@ class TcpLink(SenderLink):
                         send_all(self._sock, frame)
                 if job is None:
                     break
-                if job is _TICK:
+                if job is TICK:
                     continue
-                if isinstance(job, _WriteJob):
+                if isinstance(job, WriteJob):
                     self._send_batch(job)
-                elif isinstance(job, _OrderedJob):
+                elif isinstance(job, OrderedJob):
                     msg = job.msg() if callable(job.msg) else job.msg
                     frame = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
                     send_all(self._sock, [frame])
@@ -549,7 +489,7 @@ class TcpLink(SenderLink):
             self._shutdown(reason)
 
     def _next_job(self) -> Any:
-        """The next job; ``_TICK`` when a held late frame fell due; None when closing."""
+        """The next job; ``TICK`` when a held late frame fell due; None when closing."""
         with self._cond:
             while not self._queue:
                 if self._closing:
@@ -560,41 +500,27 @@ class TcpLink(SenderLink):
                 else:
                     wait = due - time.monotonic()
                     if wait <= 0:
-                        return _TICK
+                        return TICK
                     self._cond.wait(wait)
             return self._queue.popleft()
 
-    def _send_batch(self, job: _WriteJob) -> None:
+    def _send_batch(self, job: WriteJob) -> None:
         job.batch.wait_sources()
         if self._staging is not None:
             self._send_batch_staged(job)
             return
-        batch = job.batch
-        reported = 0
-        try:
-            for cut in self._frames(batch):
-                if batch.cancelled:
-                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
-                    return
-                self._send_frame(batch, cut, last=cut.runs_before + cut.runs_done == len(batch))
-                if cut.runs_done:
-                    job.on_complete(batch, cut.runs_done, 0)
-                    reported += cut.runs_done
-        except BaseException:
-            if reported < len(batch):  # the connection failed mid-batch: the rest is reported failed
-                job.on_complete(batch, 0, len(batch) - reported)
-            raise
+        self._send_batch_frames(job, self._frames(job.batch),
+                                lambda batch, cut, last: self._send_frame(batch, cut, last=last))
 
     def _frames(self, batch: WriteBatch) -> list[FrameCut]:
         """The frames the batch is cut into: at most :attr:`frame_limit` bytes and
         :data:`FRAME_MAX_RUNS` runs each, longer runs split at item boundaries."""
         return cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
 
-    def _send_batch_staged(self, job: _WriteJob) -> None:
+    def _send_batch_staged(self, job: WriteJob) -> None:
         """Frame k leaves from one staging buffer while frame k+1 is copied into the other."""
         assert self._staging is not None
-        batch = job.batch
-        frames = self._frames(batch)
+        frames = self._frames(job.batch)
         staging = self._staging
 
         def stage(cut: FrameCut) -> tuple[np.ndarray, int]:
@@ -604,19 +530,21 @@ class TcpLink(SenderLink):
             staging.mark_pending()
             return buffer, base
 
-        staged = stage(frames[0]) if frames else None
-        for index, cut in enumerate(frames):
-            if batch.cancelled:
-                staging.drain()
-                job.on_complete(batch, 0, len(batch) - cut.runs_before)
-                return
-            staging.drain()  # frame ``index`` is in its buffer
-            current = staged
-            staged = stage(frames[index + 1]) if index + 1 < len(frames) else None  # overlaps the send below
-            self._send_frame(batch, cut, current, last=index + 1 == len(frames))
-            if cut.runs_done:
-                job.on_complete(batch, cut.runs_done, 0)
-        staging.drain()
+        index = {id(cut): i for i, cut in enumerate(frames)}
+        staged = {0: stage(frames[0])} if frames else {}
+
+        def send(batch: WriteBatch, cut: FrameCut, last: bool) -> None:
+            i = index[id(cut)]
+            staging.drain()  # frame i is in its buffer
+            current = staged.pop(i)
+            if i + 1 < len(frames):
+                staged[i + 1] = stage(frames[i + 1])  # overlaps the send below
+            self._send_frame(batch, cut, current, last=last)
+
+        try:
+            self._send_batch_frames(job, frames, send)
+        finally:
+            staging.drain()
 
     def _send_frame(self, batch: WriteBatch, cut: FrameCut, staged: tuple[np.ndarray, int] | None = None,
                     *, last: bool) -> None:
@@ -647,47 +575,13 @@ class TcpLink(SenderLink):
                 for b, o, n in zip(buffers.tolist(), cut.src_offsets.tolist(), cut.lengths.tolist())
             ]
         if self.faults is not None:
-            decision = self.faults.on_write(batch)
-            if decision["slow"]:
-                time.sleep(self.faults.config.slow_delay_s)
-            if decision["flip"]:
-                victim = self.faults.pick(len(payload))
-                copy = bytearray(payload[victim])
-                self.faults.flip(copy)
-                payload[victim] = copy
-            frame = [header, runs, *payload]
-            if decision["capture"] or decision["late"]:
-                snapshot = [header, runs, b"".join(bytes(p) for p in payload)]
-                if decision["capture"]:
-                    self.faults.keep_captured(snapshot)
-                if decision["late"]:
-                    self.faults.hold_late(snapshot)
-            send_all(self._sock, frame)
-            if decision["duplicate"]:
-                send_all(self._sock, frame)
+            self._send_with_faults(batch, header, runs, payload, lambda frame: send_all(self._sock, frame))
         else:
             send_all(self._sock, [header, runs, *payload])
         self.bytes_sent += size
 
-    def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
-        """Append one frame's item checksums to the batch's (frames go out in batch order)."""
-        if batch.item_sums is None:
-            items = batch.lengths // self.layout.item_lens[batch.buffers]
-            batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
-            batch.sums_filled = 0
-        batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums
-        batch.sums_filled += len(sums)
-        if last and batch.sums_filled == len(batch.item_sums):
-            batch.sums_done = True
-
     def _shutdown(self, reason: str) -> None:
-        with self._cond:
-            self._alive = False
-            pending = list(self._queue)
-            self._queue.clear()
-        for job in pending:
-            if isinstance(job, _WriteJob):
-                job.on_complete(job.batch, 0, len(job.batch))
+        self._fail_queued()
         try:
             self._sock.close()
         except OSError:  # pragma: no cover
@@ -697,25 +591,12 @@ class TcpLink(SenderLink):
                 self._staging.close()
             except KvxferError as exc:
                 log.error("data connection to %s: releasing staging buffers: %s", self.address, exc)
-        if not self._reported:
-            self._reported = True
-            self._on_closed(self, reason)
+        self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
         """Stop the link. With ``flush`` queued frames are sent first; idempotent."""
-        with self._cond:
-            if self._closing:
-                pending_thread = self._thread
-            else:
-                self._closing = True
-                if not flush:
-                    for job in self._queue:
-                        if isinstance(job, _WriteJob):
-                            job.batch.cancelled = True
-                self._cond.notify_all()
-                pending_thread = self._thread
-        if self.faults is not None:
-            self.faults.resume()
+        self._begin_close(flush)
+        pending_thread = self._thread
         if pending_thread is not threading.current_thread():
             pending_thread.join(timeout=10)
         if pending_thread.is_alive():

@@ -1,0 +1,184 @@
+"""What the frame-stream links share (tcp and shm): job kinds, the posting queue, fault injection on
+a frame, and keeping the item checksums taken while sending.
+
+A :class:`FrameLink` has one sending thread that takes jobs in posting order: a write batch, an
+ordered message (DONE and the drain proofs) or raw frame bytes. Subclasses own the byte pipe (a
+socket, a shared ring) and implement ``_run``; this class owns the rules both keep:
+
+* posting after the link ended or started closing raises :class:`TransportError`;
+* every write job is reported exactly once through its ``on_complete``, as sent or as failed,
+  including the unsent rest of a batch when the pipe fails mid-batch and every job still queued
+  when the link ends;
+* the link reports its own end once (``on_closed``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.runs import FrameCut, WriteBatch
+from ..errors import TransportError
+from .base import ConnId, OnComplete, SenderLink
+
+
+@dataclass
+class WriteJob:
+    """A batch of page writes and who to tell when it completed."""
+
+    batch: WriteBatch
+    on_complete: OnComplete
+
+
+@dataclass
+class OrderedJob:
+    """An ordered message (or a callable building one when its turn comes: DONE) with its tag."""
+
+    msg: Any
+    slot: int
+    gen: int
+
+
+@dataclass
+class RawJob:
+    """Prepared frame bytes, sent as they are (fault replay, hostile-peer tests)."""
+
+    frame: list[Any]
+
+
+TICK = object()  # "no job, but look again" (a late frame fell due, or time to check the peer)
+
+
+class FrameLink(SenderLink):
+    """The posting side and the bookkeeping of a link that sends frames from one thread."""
+
+    address: str
+
+    def _init_link(self, conn_id: ConnId, on_closed: Callable[[Any, str], None], faults: Any,
+                   checksum: Any) -> None:
+        from ..core.checksum import ChecksumAlgo, native_id
+
+        algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
+        self._sum_fn = native_id(algo)  # item checksums taken while sending, in the same C loop
+        self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self.conn_id = conn_id
+        self.epoch = conn_id[1]
+        self._on_closed = on_closed
+        self.faults = faults
+        self._queue: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._alive = True
+        self._closing = False
+        self._reported = False
+        self.frames_sent = 0
+        self.bytes_sent = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    # posting (any thread) -----------------------------------------------------------------------------
+    def post_writes(self, batch: WriteBatch, on_complete: OnComplete) -> None:
+        self._post(WriteJob(batch, on_complete))
+
+    def post_ordered(self, msg: Any, *, slot: int, gen: int) -> None:
+        """Send ``msg`` (or what ``msg()`` builds, for DONE) after every frame posted before it."""
+        self._post(OrderedJob(msg, slot, gen))
+
+    def post_raw(self, pieces: list[Any]) -> None:
+        """Send prepared frame bytes as they are (fault replay, hostile-peer tests)."""
+        self._post(RawJob(pieces))
+
+    def _post(self, job: Any) -> None:
+        with self._cond:
+            if not self._alive or self._closing:
+                raise TransportError(f"data connection {self.conn_id} to {self.address} is closed")
+            self._queue.append(job)
+            self._cond.notify()
+
+    def _begin_close(self, flush: bool) -> None:
+        """Stop taking jobs; without ``flush`` the queued write batches are dropped unsent."""
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                if not flush:
+                    for job in self._queue:
+                        if isinstance(job, WriteJob):
+                            job.batch.cancelled = True
+                self._cond.notify_all()
+        if self.faults is not None:
+            self.faults.resume()
+
+    # the sending thread -------------------------------------------------------------------------------
+    def _send_batch_frames(self, job: WriteJob, cuts: Iterable[FrameCut],
+                           send_frame: Callable[[WriteBatch, FrameCut, bool], None]) -> None:
+        """Send ``job``'s batch frame by frame, reporting each frame's runs as it goes."""
+        batch = job.batch
+        reported = 0
+        try:
+            for cut in cuts:
+                if batch.cancelled:
+                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
+                    return
+                send_frame(batch, cut, cut.runs_before + cut.runs_done == len(batch))
+                if cut.runs_done:
+                    job.on_complete(batch, cut.runs_done, 0)
+                    reported += cut.runs_done
+        except BaseException:
+            if reported < len(batch):  # the pipe failed mid-batch: the rest is reported failed
+                job.on_complete(batch, 0, len(batch) - reported)
+            raise
+
+    def _send_with_faults(self, batch: WriteBatch, header: bytes, runs: bytes, payload: list[Any],
+                          put: Callable[[list[Any]], None]) -> None:
+        """Send one WRITE frame through the fault injector: slow, flipped, captured, late, duplicated."""
+        decision = self.faults.on_write(batch)
+        if decision["slow"]:
+            time.sleep(self.faults.config.slow_delay_s)
+        if decision["flip"]:
+            victim = self.faults.pick(len(payload))
+            copy = bytearray(payload[victim])
+            self.faults.flip(copy)
+            payload[victim] = copy
+        frame = [header, runs, *payload]
+        if decision["capture"] or decision["late"]:
+            snapshot = [header, runs, b"".join(bytes(p) for p in payload)]
+            if decision["capture"]:
+                self.faults.keep_captured(snapshot)
+            if decision["late"]:
+                self.faults.hold_late(snapshot)
+        put(frame)
+        if decision["duplicate"]:
+            put(frame)
+
+    def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
+        """Append one frame's item checksums to the batch's (frames go out in batch order)."""
+        if batch.item_sums is None:
+            items = batch.lengths // self.layout.item_lens[batch.buffers]
+            batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
+            batch.sums_filled = 0
+        batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums
+        batch.sums_filled += len(sums)
+        if last and batch.sums_filled == len(batch.item_sums):
+            batch.sums_done = True
+
+    def _fail_queued(self) -> None:
+        """The link ended: nothing more is taken, and every queued write is reported failed."""
+        with self._cond:
+            self._alive = False
+            pending = list(self._queue)
+            self._queue.clear()
+        for job in pending:
+            if isinstance(job, WriteJob):
+                job.on_complete(job.batch, 0, len(job.batch))
+
+    def _report_closed(self, reason: str) -> None:
+        if not self._reported:
+            self._reported = True
+            self._on_closed(self, reason)

@@ -39,7 +39,7 @@ class DecodeEngine(EngineBase):
         self.receiver.guard.requires_final = self.capabilities.requires_final
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
         hooks = ReceiverHooks(on_connect=self._on_data_connect, on_ordered=self.receiver.on_ordered,
-                              on_closed=self._on_data_closed)
+                              on_closed=self._on_data_closed, on_event=self._event)
         self.transport: ReceiverBackend = self._open_transport(
             lambda: self.transport_factory.receiver(layout, self.receiver.guard, config, hooks))
         self.data_address = self.transport.address

@@ -86,6 +86,9 @@ class ReceiverHooks:
     on_connect: Callable[[Any], ConnId | None]
     on_ordered: Callable[[ConnId, Any], None]
     on_closed: Callable[[ConnId, str], None]
+    # an off-the-happy-path event for the engine's counters and rate-limited event lines:
+    # on_event(kind, **fields), e.g. on_event("accept_error", error="EMFILE")
+    on_event: Callable[..., None] = lambda kind, **fields: None
 
 
 class ReceiverBackend(abc.ABC):

@@ -408,3 +408,41 @@ def test_a_peer_speaking_the_old_protocol_version_is_told_why(engines):
     src = pair.transfer("after", 2 * PAGE_TOKENS)  # the engines keep serving
     assert pair.decode.wait("after").state is R.READABLE
     pair.expect_content("after", src)
+
+
+def test_a_connect_seen_on_the_wire_opens_no_connection_and_takes_none_over(engines):
+    """Finding 1: an on-path observer sees the CONNECT that opened the prefill's data connection.
+    Replayed, sent under a higher epoch, or raced against the writer's reconnect after a fence, it
+    is refused: CONNECT carries a proof bound to one offer's nonce, never the session secret."""
+    import socket
+
+    from kvxfer.transport.tcp import parse_address
+
+    pair = engines()
+    if pair.decode.config.transport != "tcp":
+        pytest.skip("the observer reads a tcp stream (shm rings are mode 0600; verbs CONNECTs on the control plane)")
+    info = pair.decode.receiver.peers[pair.peer]
+    conn = info.conn
+    seen = m.Connect(engine=pair.peer, epoch=conn[1],
+                     proof=m.connect_proof(pair.prefill.peers[pair.decode.engine_id].session, info.offer_nonce,
+                                           pair.peer, conn[1]))  # exactly the bytes that crossed the wire
+
+    def attempt(msg: m.Connect) -> None:
+        before = pair.decode.counters["refused_connections"]
+        with socket.create_connection(parse_address(pair.decode.data_address), timeout=5) as sock:
+            sock.sendall(f.message_frame(f.FrameKind.CONNECT, m.encode(msg)))
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "the decode kept a connection it should have refused"
+        wait_for(lambda: pair.decode.counters["refused_connections"] == before + 1, what="refusal counted")
+
+    attempt(seen)  # replayed as is
+    attempt(m.Connect(engine=seen.engine, epoch=seen.epoch + 1, proof=seen.proof))  # a higher epoch
+    assert pair.decode.receiver.peers[pair.peer].conn == conn
+    # the writer's connection is fenced; the decode offers epoch + 1 with a fresh nonce: race it
+    assert pair.decode.fence(conn, "test fence")
+    wait_for(lambda: pair.decode.receiver.peers[pair.peer].offered > conn[1], what="the next offer")
+    attempt(m.Connect(engine=seen.engine, epoch=conn[1] + 1, proof=seen.proof))  # refused before or after
+    wait_for(lambda: (pair.decode.receiver.peers[pair.peer].conn or ("", 0))[1] > conn[1], what="reconnect")
+    src = pair.transfer("after", 3 * PAGE_TOKENS, seed=5)
+    assert pair.decode.wait("after").state is R.READABLE
+    pair.expect_content("after", src)

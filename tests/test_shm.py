@@ -36,6 +36,7 @@ from kvxfer.wire import messages as m
 from .conftest import wait_for
 
 SESSION = b"s" * 16
+PROOF = b"p" * 32  # the receiver here accepts any CONNECT; the engine checks proofs (test_hostile_peers.py)
 ITEM = 4096
 
 
@@ -79,7 +80,7 @@ class Rig:
 
     def connect(self, epoch: int = 1) -> shm.ShmLink:
         blob = self.receiver.offer("pf", SESSION, epoch)
-        link = self.transport.connect(LinkRequest(engine="pf", peer="dc", session=SESSION, epoch=epoch, blob=blob,
+        link = self.transport.connect(LinkRequest(engine="pf", peer="dc", proof=PROOF, epoch=epoch, blob=blob,
                                                   on_closed=lambda _link, reason: self.link_closed.append(reason),
                                                   send_control=lambda msg: None))
         wait_for(lambda: ("pf", epoch) in self.receiver.connections(), what="CONNECT")
@@ -278,14 +279,14 @@ def test_refused_connect_and_wrong_epoch(rig):
     r = rig()
     r.refuse = True
     blob = r.receiver.offer("pf", SESSION, 1)
-    link = r.transport.connect(LinkRequest(engine="pf", peer="dc", session=SESSION, epoch=1, blob=blob,
+    link = r.transport.connect(LinkRequest(engine="pf", peer="dc", proof=PROOF, epoch=1, blob=blob,
                                            on_closed=lambda _l, reason: r.link_closed.append(reason),
                                            send_control=lambda msg: None))
     wait_for(lambda: not link.alive, timeout=2.0, what="the refused writer noticing")
     assert r.receiver.connections() == [] and r.closed == []
     r.refuse = False
     blob = r.receiver.offer("pf", SESSION, 2)
-    link = r.transport.connect(LinkRequest(engine="pf", peer="dc", session=SESSION, epoch=5, blob=blob,
+    link = r.transport.connect(LinkRequest(engine="pf", peer="dc", proof=PROOF, epoch=5, blob=blob,
                                            on_closed=lambda _l, reason: None, send_control=lambda msg: None))
     wait_for(lambda: len(r.closed) == 1, what="on_closed")
     assert "epoch 5" in r.closed[0][1]
@@ -295,7 +296,7 @@ def test_refused_connect_and_wrong_epoch(rig):
 def test_foreign_or_bogus_offers_are_refused(rig, tmp_path):
     r = rig()
     blob = msgpack.unpackb(r.receiver.offer("pf", SESSION, 1))
-    request = dict(engine="pf", peer="dc", session=SESSION, epoch=1, on_closed=lambda *a: None,
+    request = dict(engine="pf", peer="dc", proof=PROOF, epoch=1, on_closed=lambda *a: None,
                    send_control=lambda msg: None)
     with pytest.raises(TransportError, match="another host or boot"):
         r.transport.connect(LinkRequest(blob=msgpack.packb({**blob, "boot_id": "not-this-boot"}), **request))
@@ -480,7 +481,7 @@ _CHILD = textwrap.dedent("""
         view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
     transport = ShmTransport(layout, checksum="adler32", options=ShmOptions(ring_bytes=256 << 10, directory=directory))
     closed = []
-    link = transport.connect(LinkRequest(engine="child", peer="dc", session=b"s" * 16, epoch=1, blob=blob,
+    link = transport.connect(LinkRequest(engine="child", peer="dc", proof=b"p" * 32, epoch=1, blob=blob,
                                          on_closed=lambda _l, reason: closed.append(reason),
                                          send_control=lambda msg: None))
     print("connected", flush=True)

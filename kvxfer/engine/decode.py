@@ -155,6 +155,7 @@ class DecodeEngine(EngineBase):
             stale = info.offered if info.offered > info.epoch else None
             epoch = max(info.epoch, info.offered) + 1
             info.offered = epoch
+            info.offer_nonce = nonce = secrets.token_bytes(16)
             info.offered_at = time.monotonic()
             info.reoffer_at = None
             session = info.session
@@ -171,15 +172,16 @@ class DecodeEngine(EngineBase):
                 info.reoffer_at = time.monotonic() + 1.0
                 self.receiver.changed.notify_all()
             return
-        self._send_to_peer(identity, m.Offer(epoch=epoch, blob=blob))
+        self._send_to_peer(identity, m.Offer(epoch=epoch, nonce=nonce, blob=blob))
 
     def _on_accept(self, identity: str, msg: m.Accept) -> None:
         with self.lock:
             info = self.receiver.peers[identity]
-            if msg.engine != identity or not secrets.compare_digest(info.session, msg.session):
-                raise PeerError(f"ACCEPT from {identity!r} with a wrong session")
             if msg.epoch != info.offered:
                 raise PeerError(f"ACCEPT for epoch {msg.epoch}, which is not the offered one ({info.offered})")
+            if msg.engine != identity or not m.proof_matches(msg.proof, info.session, info.offer_nonce,
+                                                             identity, msg.epoch):
+                raise PeerError(f"ACCEPT from {identity!r} with a wrong proof for epoch {msg.epoch}")
             if info.epoch == msg.epoch:
                 return  # already connected under this epoch (its data path announced it first)
         conn = self.transport.accept(identity, info.session, msg.epoch, msg.blob)
@@ -195,10 +197,12 @@ class DecodeEngine(EngineBase):
         with self.lock:
             info = self.receiver.peers.get(msg.engine)
             why = ""
-            if info is None or not secrets.compare_digest(info.session, msg.session):
-                why = "unknown session" if info is None else "wrong session"
+            if info is None:
+                why = "unknown peer"
             elif msg.epoch != info.offered or msg.epoch <= info.epoch:
                 why = f"epoch {msg.epoch} is not the offered one ({info.offered})"
+            elif not m.proof_matches(msg.proof, info.session, info.offer_nonce, msg.engine, msg.epoch):
+                why = "wrong proof"
             if why:
                 self._event("refused_connection", counter="refused_connections", peer=msg.engine, why=why)
                 log.warning("%s: data connection from %r refused: %s", self.engine_id, msg.engine, why)

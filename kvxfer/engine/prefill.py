@@ -133,7 +133,8 @@ class PrefillEngine(EngineBase):
             peer.epoch = msg.epoch
         if old is not None:
             self._retire(old, "replaced by a newer data connection")
-        request = LinkRequest(engine=self.engine_id, peer=peer.engine, session=peer.session, epoch=msg.epoch,
+        proof = m.connect_proof(peer.session, msg.nonce, self.engine_id, msg.epoch)
+        request = LinkRequest(engine=self.engine_id, peer=peer.engine, epoch=msg.epoch, proof=proof,
                               blob=msg.blob, on_closed=self._on_link_closed,
                               send_control=lambda out, name=peer.engine: self._send_to_peer(name, out),
                               faults=self.faults)
@@ -155,7 +156,7 @@ class PrefillEngine(EngineBase):
         if stale:
             link.close(flush=False)
             return
-        self._send_to_peer(peer.engine, m.Accept(engine=self.engine_id, session=peer.session, epoch=msg.epoch,
+        self._send_to_peer(peer.engine, m.Accept(engine=self.engine_id, epoch=msg.epoch, proof=proof,
                                                  blob=link.accept_blob))
 
     def _on_link_closed(self, link: SenderLink, reason: str) -> None:

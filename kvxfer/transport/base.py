@@ -12,7 +12,9 @@ Peering, for every transport (decode drives the epochs):
    OFFER{epoch, blob}. The blob holds whatever the writer needs to reach the decode's pool
    (a data address, a queue pair and rkeys, a shared ring's name).
 2. prefill: ``link = transport.connect(LinkRequest(...))``. The link is the writer's half of
-   connection ``(prefill engine id, epoch)``. It sends ACCEPT{engine, session, epoch, link.accept_blob}.
+   connection ``(prefill engine id, epoch)``. It sends ACCEPT{engine, epoch, proof, link.accept_blob};
+   the proof (:func:`kvxfer.wire.messages.connect_proof`) shows the session secret for this one offer
+   without revealing it, and CONNECT frames carry the same proof.
 3. decode: ``backend.accept(peer, session, epoch, blob)`` finishes the connection (verbs moves its
    queue pair to RTS) and returns its connection id, or None when the data path itself announces
    the connection (tcp and shm send CONNECT first on it; the backend then calls
@@ -143,8 +145,8 @@ class LinkRequest:
 
     engine: str  # this (prefill) engine's id
     peer: str  # the decode engine's id
-    session: bytes
     epoch: int
+    proof: bytes  # connect_proof(session, OFFER nonce, engine, epoch): what CONNECT carries
     blob: bytes  # the decode's OFFER blob
     on_closed: Callable[[SenderLink, str], None]
     send_control: Callable[[Any], None]  # send a control message to the peer (ordered_via_control)

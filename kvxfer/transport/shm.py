@@ -491,7 +491,7 @@ class ShmReceiver(ReceiverBackend):
             conn_id = self.hooks.on_connect(hello)
             if conn_id is None:
                 report = None
-                reason = f"connection from {hello.engine!r} refused: unknown session"
+                reason = f"connection from {hello.engine!r} refused (unknown peer, wrong epoch or proof)"
                 log.warning("shm ring %s: %s", inbound.ring.path, reason)
                 return
             with self._lock:
@@ -937,7 +937,7 @@ class ShmTransport(SenderTransport):
         ring = _open_ring(offer["path"], offer["size"])
         pid = offer["pid"]
         try:
-            connect = m.Connect(engine=request.engine, session=request.session, epoch=request.epoch)
+            connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
             return ShmLink(self.layout, ring, connect=connect, on_closed=request.on_closed, faults=request.faults,
                            checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None)
         except BaseException:

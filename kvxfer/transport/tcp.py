@@ -239,7 +239,7 @@ class TcpReceiver(ReceiverBackend):
                 raise ProtocolError(f"CONNECT frame carries {hello.TYPE}")
             conn_id = self._on_connect(hello)
             if conn_id is None:
-                raise ProtocolError(f"connection from {hello.engine!r} refused: unknown session")
+                raise ProtocolError(f"connection from {hello.engine!r} refused (unknown peer, wrong epoch or proof)")
             with self._lock:
                 self._pending.discard(inbound)
                 if self._closed:
@@ -627,7 +627,7 @@ class TcpTransport(SenderTransport):
 
     def connect(self, request: LinkRequest) -> TcpLink:
         address = decode_offer(request.blob)
-        connect = m.Connect(engine=request.engine, session=request.session, epoch=request.epoch)
+        connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
         return TcpLink(self.layout, address, connect=connect, on_closed=request.on_closed, faults=request.faults,
                        checksum=self.checksum, staging=self.staging)
 

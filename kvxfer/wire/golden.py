@@ -20,6 +20,7 @@ from . import frames as f
 from . import messages as m
 
 SESSION = bytes(range(16))
+NONCE = bytes(range(100, 116))
 GID = bytes(10) + b"\xff\xff\x0a\x63\x00\x01"
 # Transport blobs (SPEC §5): msgpack maps each transport encodes and decodes itself; the transport
 # tests check that their encoders produce exactly these bytes.
@@ -42,7 +43,7 @@ def example_messages() -> dict[str, m.Message]:
             engine="prefill-a", role="prefill", session=SESSION, ok=True, error="", page_size=64,
             num_pages=10645, item_lens=[4096, 4096], pool_tokens=681280, max_context=1048576,
         ),
-        "CONNECT": m.Connect(engine="prefill-a", session=SESSION, epoch=1),
+        "CONNECT": m.Connect(engine="prefill-a", epoch=1, proof=m.connect_proof(SESSION, NONCE, "prefill-a", 1)),
         "META": m.Meta(rid="req-42", gen=7, slot=3, tokens=300, pages=np.array([9, 10, 11, 40, 41], dtype=np.int64)),
         "META_INT_RID": m.Meta(rid=18446744073709551615, gen=8, slot=65535, tokens=1, pages=np.array([0])),
         "REJECT": m.Reject(rid="req-43", gen=0, reason="exceeds_pool",
@@ -53,10 +54,12 @@ def example_messages() -> dict[str, m.Message]:
                        aux=b"\x01\x02"),
         "DONE_VERBS": m.Done(rid="req-42", gen=7, bytes=8192, pages=1, checksum=0x0BADF00D, algo="crc32",
                              runs=bytes(range(24))),
-        "OFFER_TCP": m.Offer(epoch=1, blob=TCP_OFFER_BLOB),
-        "OFFER_VERBS": m.Offer(epoch=1, blob=VERBS_OFFER_BLOB),
-        "ACCEPT_TCP": m.Accept(engine="prefill-a", session=SESSION, epoch=1, blob=b""),
-        "ACCEPT_VERBS": m.Accept(engine="prefill-a", session=SESSION, epoch=1, blob=VERBS_ACCEPT_BLOB),
+        "OFFER_TCP": m.Offer(epoch=1, nonce=NONCE, blob=TCP_OFFER_BLOB),
+        "OFFER_VERBS": m.Offer(epoch=1, nonce=NONCE, blob=VERBS_OFFER_BLOB),
+        "ACCEPT_TCP": m.Accept(engine="prefill-a", epoch=1, proof=m.connect_proof(SESSION, NONCE, "prefill-a", 1),
+                               blob=b""),
+        "ACCEPT_VERBS": m.Accept(engine="prefill-a", epoch=1, proof=m.connect_proof(SESSION, NONCE, "prefill-a", 1),
+                                 blob=VERBS_ACCEPT_BLOB),
         "RESULT": m.Result(rid="req-42", gen=7, ok=False, reason="checksum",
                            detail="adler32 of the destination pages is 0x00000001, DONE claims 0x1234abcd"),
         "FENCED": m.Fenced(epoch=1, reason="drain_timeout"),

@@ -26,6 +26,8 @@ from ..errors import ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: OFFER/ACCEPT carry each transport's handshake (1 had VERBS_INFO/VERBS_CONNECT)
 MAX_BLOB = 1 << 20
+PROOF_BYTES = 32
+_PROOF_CONTEXT = b"kvxfer connect proof v2\x00"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_STR = 4096
 MAX_PAGES = (64 << 20) // 4 - 1024
@@ -161,6 +163,24 @@ def _f(kind: Kind, doc: str, default: Any = dataclasses.MISSING) -> Any:
     return field(default=default, metadata=meta)
 
 
+def connect_proof(session: bytes, nonce: bytes, engine: str, epoch: int) -> bytes:
+    """HMAC-SHA256 keyed by the peering's session secret over one offer (its nonce and epoch) and the
+    writer's engine id. The session travels only in HELLO on the control plane (encrypted when
+    keyrings are on); the data path carries this proof, which is worth nothing for any other offer."""
+    import hashlib
+    import hmac
+
+    message = _PROOF_CONTEXT + bytes(nonce) + int(epoch).to_bytes(8, "little") + engine.encode()
+    return hmac.new(bytes(session), message, hashlib.sha256).digest()
+
+
+def proof_matches(proof: bytes, session: bytes, nonce: bytes, engine: str, epoch: int) -> bool:
+    """Constant-time check of a CONNECT or ACCEPT proof against the offer it claims to answer."""
+    import hmac
+
+    return hmac.compare_digest(bytes(proof), connect_proof(session, nonce, engine, epoch))
+
+
 class VersionMismatch(ProtocolError):
     """A well-formed envelope of another protocol version. ``reply_to`` is the sender's control
     address when the message names one (a HELLO), so the engine can tell the peer why it is refused."""
@@ -267,8 +287,9 @@ class Connect(Message):
         "HELLO opened (by its session token) under a new epoch; later frames need no identity."
     )
     engine: str = _f(STR, "writer's engine id")
-    session: bytes = _f(_Bytes(64), "the session token from the receiver's HELLO")
-    epoch: int = _f(UINT, "connection epoch, increasing per reconnect")
+    epoch: int = _f(UINT, "the epoch of the OFFER this connection answers")
+    proof: bytes = _f(_Bytes(PROOF_BYTES), "connect_proof(session, OFFER nonce, engine, epoch): proves the "
+                      "session secret without sending it; good for this one offer only")
 
 
 @_register
@@ -375,6 +396,7 @@ class Offer(Message):
         "Sent after HELLO_ACK, after every fence and after a data connection ended. Epochs increase."
     )
     epoch: int = _f(UINT, "connection epoch of this offer")
+    nonce: bytes = _f(_Bytes(32), "fresh random bytes; the writer's connect proof for this offer covers them")
     blob: bytes = _f(_Bytes(MAX_BLOB), "transport-specific: how to reach the receiver's pool")
 
 
@@ -390,8 +412,8 @@ class Accept(Message):
         "their data path opens with CONNECT)."
     )
     engine: str = _f(STR, "writer's engine id")
-    session: bytes = _f(_Bytes(64), "the session token from the receiver's HELLO")
     epoch: int = _f(UINT, "the epoch from OFFER")
+    proof: bytes = _f(_Bytes(PROOF_BYTES), "connect_proof(session, OFFER nonce, engine, epoch), as in CONNECT")
     blob: bytes = _f(_Bytes(MAX_BLOB), "transport-specific: the writer's half of the connection")
 
 

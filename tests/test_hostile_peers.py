@@ -446,3 +446,54 @@ def test_a_connect_seen_on_the_wire_opens_no_connection_and_takes_none_over(engi
     src = pair.transfer("after", 3 * PAGE_TOKENS, seed=5)
     assert pair.decode.wait("after").state is R.READABLE
     pair.expect_content("after", src)
+
+
+def test_offers_pointing_at_a_black_hole_do_not_hold_up_other_peers(engines):
+    """Finding 6: a peer's OFFER makes the prefill connect where the peer says. Two rogue decodes
+    point it at a port that never answers (a full accept queue): the honest transfer still completes
+    while those connects hang, because they run off the control thread."""
+    import socket
+
+    from kvxfer.transport.tcp import encode_offer
+
+    pair = engines(keyed=False)
+    if pair.decode.config.transport != "tcp":
+        pytest.skip("the black hole is a tcp port")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    fillers = []
+    for _ in range(3):  # fill the accept queue: further SYNs are dropped, connects hang
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(hole.getsockname())
+        fillers.append(s)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.ROUTER)
+    inbox.setsockopt(zmq.LINGER, 0)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    layout = pair.decode.layout
+    rogues = ["rogue-1", "rogue-2"]
+    try:
+        for name in rogues:
+            with raw_peer(pair.prefill.address, ring=None, identity=name) as sock:
+                sock.send(m.encode(m.Hello(
+                    engine=name, role="decode", session=bytes(16), reply_to=f"tcp://127.0.0.1:{port}",
+                    transport="tcp", page_size=layout.page_size, num_pages=layout.num_pages,
+                    item_lens=[int(x) for x in layout.item_lens], pool_tokens=layout.pool_tokens,
+                    max_context=pair.decode.config.max_context, checksum=pair.decode.config.checksum)))
+                wait_for(lambda n=name: n in pair.prefill.peers, what="rogue peered")
+                sock.send(m.encode(m.Offer(epoch=1, nonce=bytes(16),
+                                           blob=encode_offer("%s:%d" % hole.getsockname()))))
+                wait_for(lambda n=name: pair.prefill.peers[n].connector is not None, what="connect started")
+        src = pair.transfer("honest", 3 * PAGE_TOKENS, seed=6)
+        assert pair.decode.wait("honest").state is R.READABLE
+        pair.expect_content("honest", src)
+        # the rogue connects were still hanging all along (a tcp connect gives up after 10 s)
+        assert all(pair.prefill.peers[n].connector is not None for n in rogues)
+    finally:
+        inbox.close(0)
+        ctx.term()
+        for s in fillers:
+            s.close()
+        hole.close()

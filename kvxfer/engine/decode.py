@@ -68,7 +68,8 @@ class DecodeEngine(EngineBase):
                     del self._pending_hello[session]
                     raise PeerError(f"peering with {prefill_address} refused: {entry['error']}")
                 peer = entry["peer"]
-                if peer is not None and self.receiver.peers[peer].ready:
+                info = self.receiver.peers.get(peer) if peer is not None else None
+                if info is not None and info.ready and info.accepted == info.epoch:  # both halves hold it
                     del self._pending_hello[session]
                     return peer
                 left = deadline - time.monotonic()
@@ -182,6 +183,8 @@ class DecodeEngine(EngineBase):
             if msg.engine != identity or not m.proof_matches(msg.proof, info.session, info.offer_nonce,
                                                              identity, msg.epoch):
                 raise PeerError(f"ACCEPT from {identity!r} with a wrong proof for epoch {msg.epoch}")
+            info.accepted = msg.epoch
+            self.receiver.changed.notify_all()
             if info.epoch == msg.epoch:
                 return  # already connected under this epoch (its data path announced it first)
         conn = self.transport.accept(identity, info.session, msg.epoch, msg.blob)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ class _Peer:
     control: str
     session: bytes
     link: SenderLink | None = None
-    epoch: int = 0  # newest epoch accepted (the decode offers them)
+    epoch: int = 0  # newest epoch offered by the decode (its link, once open, has this epoch)
+    pending_offer: m.Offer | None = None  # the newest offer not yet taken by the connector
+    connector: threading.Thread | None = None  # opens links off the control thread, one per peer
     last_seen: float = 0.0
     alive: bool = True
 
@@ -125,14 +128,37 @@ class PrefillEngine(EngineBase):
             link.close(flush=False)
 
     def _on_offer(self, peer: _Peer, msg: m.Offer) -> None:
-        """The decode offered a data connection under a new epoch: open our half, answer ACCEPT."""
+        """The decode offered a data connection under a new epoch: open our half (off the control
+        thread: a connect may take seconds, and a peer can point it anywhere), then answer ACCEPT.
+        One connecting thread per peer at most; a newer offer supersedes one not started yet."""
         with self.lock:
             if msg.epoch <= peer.epoch:
                 raise PeerError(f"OFFER epoch {msg.epoch} is not after {peer.epoch}")
             old, peer.link = peer.link, None
             peer.epoch = msg.epoch
+            peer.pending_offer = msg
+            connector = None
+            if peer.connector is None and not self._closed:
+                connector = peer.connector = threading.Thread(
+                    target=self._connect_loop, args=(peer,), name=f"kvxfer-{self.role}-connect", daemon=True)
         if old is not None:
             self._retire(old, "replaced by a newer data connection")
+        if connector is not None:
+            connector.start()
+
+    def _connect_loop(self, peer: _Peer) -> None:
+        while True:
+            with self.lock:
+                msg, peer.pending_offer = peer.pending_offer, None
+                if msg is None or self._closed:
+                    peer.connector = None
+                    return
+            try:
+                self._connect(peer, msg)
+            except Exception:  # a connector must not die silently with offers left
+                log.exception("%s: opening the data connection %s offered failed", self.engine_id, peer.engine)
+
+    def _connect(self, peer: _Peer, msg: m.Offer) -> None:
         proof = m.connect_proof(peer.session, msg.nonce, self.engine_id, msg.epoch)
         request = LinkRequest(engine=self.engine_id, peer=peer.engine, epoch=msg.epoch, proof=proof,
                               blob=msg.blob, on_closed=self._on_link_closed,
@@ -215,11 +241,13 @@ class PrefillEngine(EngineBase):
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=True)
-        if self._thread.is_alive():  # still opening a link (a slow connect): wait, then close that too
-            self._thread.join(timeout=30)
-            for peer in list(self.peers.values()):
-                if peer.link is not None:
-                    peer.link.close(flush=False)
+        busy = [t for t in [self._thread] + [p.connector for p in self.peers.values()] if t is not None]
+        for thread in busy:  # still opening a link (a slow connect): wait, then close that too
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=30)
+        for peer in list(self.peers.values()):
+            if peer.link is not None:
+                peer.link.close(flush=False)
         self.hooks.close()  # links kept by the test hooks go before the transport
         self.transport.close()  # no link of it is left running: a device closes under none
         self._worker.close()

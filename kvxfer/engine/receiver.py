@@ -76,6 +76,7 @@ class PeerInfo:
     fenced_epochs: set[int] = field(default_factory=set)
     offered: int = 0  # newest epoch offered (OFFER); the writer connects under it
     offer_nonce: bytes = b""  # that offer's nonce: the writer's connect proof must cover it
+    accepted: int = 0  # newest epoch the writer ACCEPTed (it holds that link by then)
     offered_at: float = 0.0
     reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
 

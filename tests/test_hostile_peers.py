@@ -497,3 +497,34 @@ def test_offers_pointing_at_a_black_hole_do_not_hold_up_other_peers(engines):
         for s in fillers:
             s.close()
         hole.close()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_dropped_data_connection_is_noticed_by_both_and_replaced(engines, side):
+    """Finding 5: one side's data connection ends (decode: a stream error; prefill: its socket gone).
+    Within a few heartbeat intervals (0.2 s here) both sides hold the same new epoch, the request in
+    flight ended under the usual rules, and the next request goes through: no restart."""
+    pair = engines()
+    old = pair.decode.receiver.peers[pair.peer].conn
+    pair.prefill.admit("victim", 2 * PAGE_TOKENS)
+    pair.decode.admit("victim", 2 * PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("victim")
+    if side == "decode":
+        needs(pair, "raw_frames")
+        pair.link.post_raw([b"XX" + b"\x00" * 30])  # the decode's parser fails: it drops the stream
+    else:
+        needs(pair, "sees_disconnect")
+        pair.link.abort_connection()
+
+    def agreed() -> bool:
+        conn = pair.decode.receiver.peers[pair.peer].conn
+        link = pair.prefill.peers[pair.decode.engine_id].link
+        return (conn is not None and conn[1] > old[1] and link is not None and link.alive
+                and link.epoch == conn[1])
+
+    wait_for(agreed, timeout=2.0, what="both sides on the same new connection")
+    assert pair.decode.wait("victim").state is R.FAILED
+    assert pair.prefill.wait("victim").state in (S.FAILED, S.ABORTED)
+    src = pair.transfer("next", 3 * PAGE_TOKENS, seed=8)
+    assert pair.decode.wait("next").state is R.READABLE
+    pair.expect_content("next", src)

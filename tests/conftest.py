@@ -84,7 +84,7 @@ class Pair:
 
     def transfer(self, rid: Any, tokens: int, *, seed: int = 0) -> np.ndarray:
         """Admit on both sides, fill the source pages, send, wait until readable; returns src pages."""
-        self.prefill.admit(rid, tokens)
+        self.prefill.admit(rid, tokens, peer=self.decode.engine_id)
         self.decode.admit(rid, tokens, peer=self.peer)
         self.prefill.wait_ready(rid)
         src = self.prefill.source_pages(rid)

@@ -484,7 +484,7 @@ def test_offers_pointing_at_a_black_hole_do_not_hold_up_other_peers(engines):
                     max_context=pair.decode.config.max_context, checksum=pair.decode.config.checksum)))
                 wait_for(lambda n=name: n in pair.prefill.peers, what="rogue peered")
                 sock.send(m.encode(m.Offer(epoch=1, nonce=bytes(16),
-                                           blob=encode_offer("%s:%d" % hole.getsockname()))))
+                                           blob=encode_offer("{}:{}".format(*hole.getsockname())))))
                 wait_for(lambda n=name: pair.prefill.peers[n].connector is not None, what="connect started")
         src = pair.transfer("honest", 3 * PAGE_TOKENS, seed=6)
         assert pair.decode.wait("honest").state is R.READABLE
@@ -528,3 +528,34 @@ def test_a_dropped_data_connection_is_noticed_by_both_and_replaced(engines, side
     src = pair.transfer("next", 3 * PAGE_TOKENS, seed=8)
     assert pair.decode.wait("next").state is R.READABLE
     pair.expect_content("next", src)
+
+
+def test_a_request_is_bound_to_one_decode_by_default(engines):
+    """Finding 2: with several decodes peered, admit() without a peer is refused (it would let any of
+    them take the KV); with one it binds to it; any_peer=True is the explicit opt-in, under which the
+    first META binds and another decode's META for the same request is refused."""
+    from kvxfer.errors import InvalidArgument
+
+    rings = Keyring.cluster(["prefill", "decode", "other"])
+    pair = engines(prefill_config={"keyring": rings["prefill"]}, decode_config={"keyring": rings["decode"]})
+    only = pair.prefill.admit("solo", 2 * PAGE_TOKENS)  # one decode peered: bound to it
+    assert only.expected_peer == pair.decode.engine_id
+    pair.prefill.abort("solo")
+    other = DecodeEngine(make_layout(64), EngineConfig(max_context=64 * PAGE_TOKENS, keyring=rings["other"],
+                                                       heartbeat_interval=0.2, transport=pair.decode.config.transport))
+    try:
+        other_peer = other.connect(pair.prefill.address)
+        with pytest.raises(InvalidArgument, match="pass peer="):
+            pair.prefill.admit("ambiguous", 2 * PAGE_TOKENS)
+        assert pair.prefill.pool.ledger.free_count == pair.prefill.layout.num_pages  # nothing held
+        pair.prefill.admit("open", 2 * PAGE_TOKENS, any_peer=True)
+        other.admit("open", 2 * PAGE_TOKENS, peer=other_peer)  # the first META binds it to `other`
+        wait_for(lambda: pair.prefill.status("open").peer == other.engine_id, what="bound by the first META")
+        pair.decode.admit("open", 2 * PAGE_TOKENS, peer=pair.peer)  # a second decode's META is refused
+        wait_for(lambda: pair.prefill.sender.stats[f"refused_{PeerError.code}"] >= 1, what="second META refused")
+        assert pair.prefill.status("open").peer == other.engine_id
+        pair.decode.abort("open")
+        other.abort("open")
+        pair.prefill.abort("open")
+    finally:
+        other.close()

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.layout import KVLayout
 from ..core.lifecycle import SenderState
-from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed, TransportError
+from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, TransferFailed, TransportError
 from ..transport.base import LinkRequest, SenderLink, SenderTransport
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
@@ -253,12 +253,27 @@ class PrefillEngine(EngineBase):
         self._worker.close()
 
     # the API ---------------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None,
+              any_peer: bool = False) -> SendRequest:
         """Admit a prompt or raise :class:`AdmissionRejected` (nothing held, no byte moves).
 
-        ``peer`` (a decode engine id), when the caller knows it, binds the request to that decode:
-        no other peer can give it a destination or reject it."""
+        A request is bound to one decode: only that decode can give it a destination (META) or
+        reject it, so no other peer can take its KV. ``peer`` names the decode engine; without it
+        the request binds to this prefill's only decode, and with several peers the call is refused
+        (:class:`InvalidArgument`). ``any_peer=True`` is the explicit opt-in for callers that cannot
+        know the decode in advance (SGLang, whose router pairs the servers per request and whose
+        request id, the bootstrap room, is a random 63-bit number): the first peer whose META names
+        the request binds it."""
         self._check_open()
+        if peer is None and not any_peer:
+            with self.lock:
+                peered = sorted(name for name, p in self.peers.items() if p.alive)
+            if len(peered) != 1:
+                raise InvalidArgument(
+                    f"no decode engine named and this prefill has {len(peered)} live peers"
+                    f"{' (' + ', '.join(peered[:8]) + ')' if peered else ''}: pass peer=<decode engine id>, "
+                    f"or any_peer=True to let the first decode that sends its destination bind it", rid=rid)
+            peer = peered[0]
         return self.sender.admit(rid, tokens, external_pages=external_pages, peer=peer)
 
     def wait_ready(self, rid: Any, *, timeout: float = 30.0) -> SendRequest:

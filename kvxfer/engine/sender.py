@@ -337,6 +337,11 @@ class Sender:
                     f"META from {peer!r}, but the request was admitted for decode {req.expected_peer!r}",
                     rid=msg.rid, generation=msg.gen))
                 return
+            if req.peer and peer != req.peer:  # any_peer: the first META bound it to another decode
+                self._error(peer, msg, PeerError(
+                    f"META from {peer!r}, but the request is bound to decode {req.peer!r}",
+                    rid=msg.rid, generation=msg.gen))
+                return
             if req.state is not S.ADMITTED:
                 self._error(peer, msg, StaleGeneration(
                     f"META for a request already in state {req.state.value}", rid=msg.rid, generation=msg.gen))

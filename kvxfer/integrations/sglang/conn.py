@@ -294,8 +294,10 @@ class KvxferKVSender(CommonKVSender):
         """The page count is known: kvxfer admission (rejects what can never fit)."""
         super().init(num_kv_indices, aux_index)
         try:
+            # any_peer: SGLang's router pairs prefill and decode per request, so the decode is not
+            # known here; the room is a random 63-bit id, and with keyrings only trusted decodes speak
             self.engine.admit(self.bootstrap_room, int(num_kv_indices) * self.kv_mgr.layout.page_size,
-                              external_pages=True)
+                              external_pages=True, any_peer=True)
             self.admitted = True
         except KvxferError as exc:
             self.fail(reason_of(exc))

@@ -100,9 +100,10 @@ class Rank:
 
 
 def _verbs_ready() -> tuple[bool, str]:
-    from kvxfer.transport import verbs
+    from .conftest import verbs_skip_reason
 
-    return verbs.available()
+    why = verbs_skip_reason()
+    return why is None, why or ""
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +118,7 @@ def pd(request, monkeypatch, tiny_model):
     if request.param == "verbs":
         ok, why = _verbs_ready()
         if not ok:
-            pytest.skip(f"no verbs device: {why}")
+            pytest.skip(why)
         monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "20")
     monkeypatch.setenv("KVXFER_TRANSPORT", request.param)
     port = _free_port()

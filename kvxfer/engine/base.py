@@ -98,7 +98,7 @@ class EngineBase:
         config = self.config
         return {"max_context": config.max_context, "checksum": config.checksum, "send": self._send_to_peer,
                 "lock": self.lock, "unsafe_legacy": config.unsafe_legacy, "defer": self._worker.submit,
-                "observer": self._observe}
+                "observer": self._observe, "warn": self._warn}
 
     def _open_transport(self, build: Any) -> Any:
         """``build()`` the role's half of the transport; on failure release what the engine holds."""
@@ -139,6 +139,11 @@ class EngineBase:
         self.counters[counter or kind] += 1
         self.events.emit(kind, limit_key=limit_key if limit_key is not None else kind, **fields)
 
+    def _warn(self, target: logging.Logger, limit_key: str, msg: str, *args: Any, **kwargs: Any) -> None:
+        """A WARNING line a peer can provoke: rate limited per (``msg``, ``limit_key``) by the event log's
+        limiter, so a flood of messages cannot flood the log (the counters still count every one)."""
+        self.events.log(target, logging.WARNING, limit_key, msg, *args, **kwargs)
+
     def _control_events(self) -> None:
         for kind, fields in self.control.drain_events():
             self._event(kind, **fields)
@@ -156,24 +161,33 @@ class EngineBase:
                 if now >= self._next_heartbeat:
                     self._next_heartbeat = now + self.config.heartbeat_interval
                     self._heartbeat()
-            except Exception:  # the control thread must survive anything a peer sends
-                log.exception("%s control loop error", self.engine_id)
+            except Exception as exc:  # the control thread must survive anything a peer sends
+                self.events.log(log, logging.ERROR, type(exc).__name__, "%s control loop error", self.engine_id,
+                                exc_info=True)
                 self.counters["control_loop_errors"] += 1
 
     def _handle(self, identity: str, data: bytes) -> None:
         try:
             msg = m.decode(data)
         except ProtocolError as exc:
-            log.warning("%s: malformed control message from %r: %s", self.engine_id, identity, exc)
+            self._warn(log, identity, "%s: malformed control message from %r: %s", self.engine_id, identity, exc)
             self._event("malformed_message", counter="malformed_messages", limit_key=identity, peer=identity,
                         error=str(exc)[:500])
             self._reply_error(identity, "?", exc, address=getattr(exc, "reply_to", None))
             return
         self._note_alive(identity)
+        if isinstance(msg, m.Error) and self._peer_address(identity) is not None:
+            # a peer's word about something we sent (both roles): counted, and logged rate limited,
+            # since a peer can answer every message it gets, and provoke them
+            self.counters["peer_errors"] += 1
+            self._warn(log, f"{identity}/{msg.about}/{msg.code}", "%s: peer %s reports about %s: %s",
+                       self.engine_id, identity, msg.about, msg.detail)
+            return
         try:
             self._dispatch(identity, msg)
         except KvxferError as exc:
-            log.warning("%s: %s from %r refused: %s", self.engine_id, msg.TYPE, identity, exc)
+            self._warn(log, f"{identity}/{exc.code}", "%s: %s from %r refused: %s", self.engine_id, msg.TYPE,
+                       identity, exc)
             self._event("refused_message", counter="refused_messages", limit_key=f"{identity}/{exc.code}",
                         peer=identity, message=msg.TYPE, rid=getattr(msg, "rid", None), gen=getattr(msg, "gen", None),
                         code=exc.code, error=str(exc)[:500])
@@ -181,25 +195,28 @@ class EngineBase:
 
     def _reply_error(self, identity: str, about: str, exc: KvxferError, *, rid: Any = "?", gen: int = 0,
                      address: str | None = None) -> None:
-        """ERROR back to a peer; ``address`` for one not peered yet (a HELLO of another protocol version)."""
-        address = self._peer_address(identity) or address
-        if address is None:
-            return
+        """ERROR back to a peer; ``address`` for one not peered yet (a HELLO of another protocol version),
+        answered once over a socket of its own that is not kept (:meth:`ControlPlane.send_once`)."""
+        error = m.Error(about=about, code=exc.code, detail=str(exc)[:4000],
+                        rid=rid if rid not in (None, "") else "?", gen=gen or 0)
+        peer_address = self._peer_address(identity)
         try:
-            self.control.send(address, m.Error(about=about, code=exc.code, detail=str(exc)[:4000],
-                                               rid=rid if rid not in (None, "") else "?", gen=gen or 0))
+            if peer_address is not None:
+                self.control.send(peer_address, error)
+            elif address is not None:
+                self.control.send_once(address, error)
         except (PeerError, ProtocolError):
             pass
 
     def _send_to_peer(self, peer: str, msg: m.Message) -> None:
         address = self._peer_address(peer)
         if address is None:
-            log.warning("%s: cannot send %s to unknown peer %r", self.engine_id, msg.TYPE, peer)
+            self._warn(log, peer, "%s: cannot send %s to unknown peer %r", self.engine_id, msg.TYPE, peer)
             return
         try:
             self.control.send(address, msg)
         except PeerError as exc:
-            log.warning("%s: %s to %r not sent: %s", self.engine_id, msg.TYPE, peer, exc)
+            self._warn(log, peer, "%s: %s to %r not sent: %s", self.engine_id, msg.TYPE, peer, exc)
 
     # hooks for the roles ------------------------------------------------------------------------------
     def _dispatch(self, identity: str, msg: m.Message) -> None:  # pragma: no cover - overridden

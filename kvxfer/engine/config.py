@@ -17,6 +17,8 @@ from ..core.checksum import ChecksumAlgo
 from ..errors import ConfigError
 from ..transport import registry
 from ..transport.options import OPTIONS
+from ..wire.auth import is_loopback
+from ..wire.messages import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("kvxfer.engine")
 
@@ -77,6 +79,16 @@ class EngineConfig:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port); None: off
     metrics_host: str | None = None  # address the metrics endpoint binds (None: ``host``)
     max_pending_meta: int = 4096  # prefill: destinations held for requests not admitted yet, per peer
+    # decode, tcp data port (anyone who reaches it can connect; these bound what they make it hold):
+    max_data_connections: int = 256  # data connections held at once, before CONNECT and live; more are closed
+    connect_timeout: float = 5.0  # a data connection must complete its CONNECT frame within this, else closed
+    max_ordered_body: int = 2 << 20  # largest ORDERED frame body (DONE with its 1 MiB aux), refused before reading
+    # control plane (anyone who reaches it can send; these bound what a peer can make an engine hold):
+    allow_open_control: bool = False  # without a keyring, bind a non-loopback host anyway (warns); else refused
+    max_peers: int = 256  # prefill: peers held at once; a HELLO beyond it is refused unless a dead peer makes room
+    peer_expiry: float = 300.0  # prefill: a peer silent this long (at least peer_timeout) is forgotten, socket closed
+    result_timeout: float = 120.0  # prefill: RESULT must follow DONE within this, else the request fails
+    max_pending_meta_bytes: int = 64 << 20  # prefill: bytes of destination page lists held per peer (pending)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form data for callers; no setting lives here
     _: KW_ONLY
     # deprecated spellings of transport_options["verbs"][...]: accepted with a DeprecationWarning
@@ -208,6 +220,25 @@ class EngineConfig:
             raise ConfigError(f"metrics_port {self.metrics_port} is not a TCP port")
         if self.max_pending_meta <= 0:
             raise ConfigError("max_pending_meta must be positive")
+        if self.max_data_connections <= 0:
+            raise ConfigError("max_data_connections must be positive")
+        if self.connect_timeout <= 0:
+            raise ConfigError("connect_timeout must be positive")
+        if not 4096 <= self.max_ordered_body <= MAX_MESSAGE_BYTES:
+            raise ConfigError(f"max_ordered_body must be between 4096 and {MAX_MESSAGE_BYTES} bytes")
+        if self.max_peers <= 0:
+            raise ConfigError("max_peers must be positive")
+        if self.max_pending_meta_bytes <= 0:
+            raise ConfigError("max_pending_meta_bytes must be positive")
+        for name in ("peer_expiry", "result_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if not self.allow_open_control and self.keyring in (None, "") and not is_loopback(self.host):
+            raise ConfigError(
+                f"host {self.host!r} is not a loopback address and the control plane has no keyring: any host "
+                "that reaches it could peer with this engine. Give it a keyring (keyring=, KVXFER_KEYRING; "
+                "`kvxfer keygen`) or, to run it unauthenticated anyway, set allow_open_control=True "
+                "(KVXFER_ALLOW_OPEN_CONTROL=1)")
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting as plain data (option dataclasses as dicts): ``EngineConfig(**d)`` rebuilds it."""

@@ -97,10 +97,6 @@ class DecodeEngine(EngineBase):
             self.transport.sync(conn, msg.gen if isinstance(msg, m.Done) else None)
             self.receiver.on_ordered(conn, msg)
             return
-        if isinstance(msg, m.Error):
-            self.counters["peer_errors"] += 1
-            log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
-            return
         if isinstance(msg, m.Reject):
             # Rejections normally travel on the ordered data path; one here means the writer has no
             # data connection, so treat it as an abort request (quarantine until proven drained).
@@ -165,7 +161,7 @@ class DecodeEngine(EngineBase):
         try:
             blob = self.transport.offer(identity, session, epoch)
         except Exception as exc:
-            log.error("%s: cannot prepare a data connection for %s: %s", self.engine_id, identity, exc)
+            self._warn(log, identity, "%s: cannot prepare a data connection for %s: %s", self.engine_id, identity, exc)
             with self.lock:
                 entry = next((e for e in self._pending_hello.values() if e.get("peer") == identity), None)
                 if entry is not None:
@@ -208,7 +204,7 @@ class DecodeEngine(EngineBase):
                 why = "wrong proof"
             if why:
                 self._event("refused_connection", counter="refused_connections", peer=msg.engine, why=why)
-                log.warning("%s: data connection from %r refused: %s", self.engine_id, msg.engine, why)
+                self._warn(log, msg.engine[:64], "%s: data connection from %r refused: %s", self.engine_id, msg.engine, why)
                 return None
             info.epoch = msg.epoch
             info.conn = (msg.engine, msg.epoch)
@@ -248,7 +244,7 @@ class DecodeEngine(EngineBase):
         closed = self.transport.fence(conn)
         if closed:
             self._event("fence", counter="fences", limit_key="", peer=conn[0], epoch=conn[1], reason=reason[:500])
-            log.warning("%s: fenced data connection %s: %s", self.engine_id, conn, reason)
+            self._warn(log, conn[0][:64], "%s: fenced data connection %s: %s", self.engine_id, conn, reason)
             self.receiver.on_connection_closed(conn, f"fenced: {reason}")
             peer, epoch = conn
             self._send_to_peer(peer, m.Fenced(epoch=epoch, reason=reason[:4000]))
@@ -276,7 +272,8 @@ class DecodeEngine(EngineBase):
             self._offer(name)
         for info in dead:
             self._event("dead_peer", counter="dead_peers", peer=info.engine, silent_s=round(now - info.last_seen, 3))
-            log.warning("%s: peer %s silent for %.1f s: dead", self.engine_id, info.engine, now - info.last_seen)
+            self._warn(log, info.engine, "%s: peer %s silent for %.1f s: dead", self.engine_id, info.engine,
+                       now - info.last_seen)
             if info.conn is not None:
                 self.fence(info.conn, f"peer {info.engine} dead (silent for {now - info.last_seen:.1f} s)")
 

@@ -11,7 +11,9 @@ What an operator sees (every name starts ``kvxfer_``, every series carries ``rol
 - ``fences_total``, ``writes_refused_total{reason}`` (stale generation, outside the window ...),
   ``stale_messages_total``, ``inflight_writes`` (posted, not yet completed), ``open_windows``;
 - ``control_events_total{kind}``: malformed and refused control messages, authentication denials,
-  refused data connections, dead peers.
+  refused data connections, dead peers, and the tcp data port's accept errors, connections over
+  the cap, CONNECT timeouts and malformed CONNECTs; refused HELLOs, peers forgotten, RESULT timeouts
+  and destinations refused for their size.
 
 Counters are read from the engine's own bookkeeping at scrape time (one lock hold, no work on the
 data path); only the histogram and the outcome counter are fed as transitions happen, through the
@@ -32,7 +34,12 @@ log = logging.getLogger("kvxfer.metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTROL_EVENTS = ("malformed_messages", "refused_messages", "auth_denied", "impersonation_refused",
                   "refused_connections", "dead_peers", "connections_lost", "peer_errors", "control_loop_errors",
-                  "flood_refused")
+                  "flood_refused", "accept_errors", "data_connections_refused", "connect_timeouts",
+                  "data_handshake_errors",
+                  # the control plane's own limits (issue 15): refused HELLOs, peers forgotten, answers
+                  # not sent, RESULTs that never came, destinations too large or over the byte cap
+                  "refused_hellos", "peers_forgotten", "refusals_unanswered", "result_timeouts",
+                  "stuck_links_closed", "oversized_meta", "meta_bytes_refused")
 
 
 class EngineMetrics:

@@ -21,6 +21,8 @@ from .config import EngineConfig
 from .sender import Sender, SendRequest
 
 log = logging.getLogger("kvxfer.engine")
+# what a refused HELLO says to a peer the keyring did not authenticate (the reason is in this engine's log)
+HELLO_REFUSED = "peering refused by the prefill engine (its log says why)"
 
 @dataclass
 class _Peer:
@@ -50,10 +52,13 @@ class PrefillEngine(EngineBase):
             meta_timeout=config.meta_timeout,
             link_for=self._link_for,
             max_pending_meta=config.max_pending_meta,
+            max_pending_meta_bytes=config.max_pending_meta_bytes,
+            result_timeout=config.result_timeout,
             write_log=self.capabilities.write_log,
             **self._role_settings(),
         )
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[str, _Peer] = {}  # at most config.max_peers; silent ones expire (_tick)
+        self._next_retain = 0.0  # when _tick next closes control sockets no peer uses
         self.transport: SenderTransport = self._open_transport(lambda: self.transport_factory.sender(layout, config))
         self._start()
 
@@ -81,9 +86,6 @@ class PrefillEngine(EngineBase):
             self._on_fenced(peer, msg)
         elif isinstance(msg, m.Heartbeat):
             return
-        elif isinstance(msg, m.Error):
-            self.counters["peer_errors"] += 1
-            log.warning("%s: peer %s reports about %s: %s", self.engine_id, identity, msg.about, msg.detail)
         else:
             raise ProtocolError(f"{msg.TYPE} is not a message a prefill engine accepts")
 
@@ -103,23 +105,78 @@ class PrefillEngine(EngineBase):
                                              peer_name=identity)
             except ConfigError as exc:
                 problem = str(exc)
+        if not problem:
+            problem = self._make_room(identity)
+        if problem:
+            self._refuse_hello(identity, msg, problem)
+            return
         ack = m.HelloAck(
-            engine=self.engine_id, role="prefill", session=msg.session, ok=not problem, error=problem,
+            engine=self.engine_id, role="prefill", session=msg.session, ok=True, error="",
             page_size=self.layout.page_size, num_pages=self.layout.num_pages,
             item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
             max_context=self.config.max_context,
         )
         self.control.send(msg.reply_to, ack)
-        if problem:
-            log.warning("%s: refused peering with %s: %s", self.engine_id, identity, problem)
-            return
         with self.lock:
             old = self.peers.get(identity)
             peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session,
                          epoch=old.epoch if old else 0, last_seen=time.monotonic())
             self.peers[identity] = peer
+        if old is not None and old.control != peer.control:
+            self._release_control(old.control)  # peering again from another address: the old socket goes
         if old is not None and old.link is not None:
             self._retire(old.link, "peering replaced by a new HELLO")
+
+    def _refuse_hello(self, identity: str, msg: m.Hello, problem: str) -> None:
+        """Refuse a peering. The details go to this engine's log only: the answer names neither this
+        engine nor its layout or capacity (a stranger must not learn what HELLO would be accepted),
+        except to a peer the keyring authenticated, which is told why. It travels on a socket of its
+        own under a random routing identity, closed again (:meth:`ControlPlane.send_once`)."""
+        self._event("hello_refused", counter="refused_hellos", peer=identity[:200], reply_to=msg.reply_to[:200],
+                    why=problem[:500])
+        self._warn(log, "hello", "%s: refused peering with %r: %s", self.engine_id, identity[:200], problem)
+        authenticated = self.control.keyring is not None
+        ack = m.HelloAck(engine="", role="prefill", session=msg.session, ok=False,
+                         error=problem if authenticated else HELLO_REFUSED,
+                         page_size=0, num_pages=0, item_lens=[], pool_tokens=0, max_context=0)
+        if not self.control.send_once(msg.reply_to, ack):
+            self.counters["refusals_unanswered"] += 1
+
+    # the peer table ------------------------------------------------------------------------------------
+    def _make_room(self, identity: str) -> str:
+        """Room in the peer table for ``identity``: "" when there is (if the table is full, the peer
+        silent longest is forgotten, provided it is silent past ``peer_timeout``), else why not."""
+        now = time.monotonic()
+        with self.lock:
+            if identity in self.peers or len(self.peers) < self.config.max_peers:
+                return ""
+            silent = [p for p in self.peers.values() if now - p.last_seen > self.config.peer_timeout]
+            victim = min(silent, key=lambda p: p.last_seen) if silent else None
+        if victim is None:
+            return f"peer table full: {len(self.peers)} live peers (max_peers {self.config.max_peers})"
+        self._forget_peer(victim, "its place in the full peer table was needed (max_peers)")
+        return ""
+
+    def _forget_peer(self, peer: _Peer, why: str) -> None:
+        """Drop ``peer`` from the table: its link is retired and its control socket closed. A decode that
+        comes back must HELLO again."""
+        with self.lock:
+            if self.peers.get(peer.engine) is not peer:
+                return
+            del self.peers[peer.engine]
+            link, peer.link = peer.link, None
+            peer.pending_offer = None
+        if link is not None:
+            self._retire(link, f"peer forgotten: {why}")
+        self._release_control(peer.control)
+        self._event("peer_forgotten", counter="peers_forgotten", peer=peer.engine[:200], why=why)
+
+    def _release_control(self, address: str) -> None:
+        """Close the control socket to ``address`` unless a peer still uses it."""
+        with self.lock:
+            used = any(p.control == address for p in self.peers.values())
+        if not used:
+            self.control.forget(address)
 
     def _retire(self, link: SenderLink, reason: str) -> None:
         """Settle the requests on ``link`` and close it (or hand it to the test hooks)."""
@@ -167,7 +224,7 @@ class PrefillEngine(EngineBase):
         try:
             link = self.transport.connect(request)
         except (TransportError, ProtocolError) as exc:
-            log.warning("%s: cannot open the data connection %s offered (epoch %d): %s",
+            self._warn(log, peer.engine, "%s: cannot open the data connection %s offered (epoch %d): %s",
                         self.engine_id, peer.engine, msg.epoch, exc)
             self._event("connect_failed", peer=peer.engine, epoch=msg.epoch, error=str(exc)[:500])
             return
@@ -209,19 +266,43 @@ class PrefillEngine(EngineBase):
         return info.link if info is not None and info.link is not None and info.link.alive else None
 
     def _tick(self) -> None:
-        self.sender.tick()
+        for link, why in self.sender.tick():
+            self._close_stuck(link, why)
         now = time.monotonic()
         dead = []
+        expired = []
+        expiry = max(self.config.peer_expiry, self.config.peer_timeout)
         with self.lock:
             for peer in self.peers.values():
-                if peer.alive and now - peer.last_seen > self.config.peer_timeout:
+                silent = now - peer.last_seen
+                if peer.alive and silent > self.config.peer_timeout:
                     peer.alive = False
                     dead.append(peer)
+                if silent > expiry or (not peer.alive and peer.epoch == 0 and peer.link is None
+                                       and peer.connector is None):
+                    expired.append(peer)  # silent past peer_expiry, or dead without ever offering a connection
         for peer in dead:
             self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
-            log.warning("%s: peer %s silent: dead", self.engine_id, peer.engine)
+            self._warn(log, "dead", "%s: peer %s silent: dead", self.engine_id, peer.engine)
             if peer.link is not None:
                 peer.link.close(flush=False)
+        for peer in expired:
+            self._forget_peer(peer, f"silent for {now - peer.last_seen:.1f} s")
+        if now >= self._next_retain:  # sockets to addresses no peer uses: a peer forgotten meanwhile
+            self._next_retain = now + 1.0
+            with self.lock:
+                addresses = {p.control for p in self.peers.values()}
+            self.control.retain(addresses)
+
+    def _close_stuck(self, link: SenderLink, why: str) -> None:
+        """A request failed for want of RESULT while its writes were still not taken: close the link
+        (its writes complete as failed, its sources are freed); the decode offers the next one."""
+        with self.lock:
+            for peer in self.peers.values():
+                if peer.link is link:
+                    peer.link = None
+        self._event("link_closed", counter="stuck_links_closed", conn=str(link.conn_id), why=why[:500])
+        self._retire(link, why)
 
     def _heartbeat(self) -> None:
         self._hb_seq += 1
@@ -316,7 +397,7 @@ class PrefillEngine(EngineBase):
             return self.sender._lookup(rid)
 
     def wait(self, rid: Any, *, timeout: float = 30.0) -> SendRequest:
-        """Block until the request is terminal and quiescent (its source memory reusable)."""
+        """Block until the request is terminal and drained (its source memory reusable)."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:

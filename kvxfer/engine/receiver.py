@@ -127,6 +127,7 @@ class Receiver:
         unsafe_legacy: bool = False,
         defer: Callable[[Callable[[], None]], None] | None = None,
         observer: Callable[[Lifecycle, Any, str], None] | None = None,
+        warn: Callable[..., None] | None = None,
     ) -> None:
         if not 0 < max_inflight <= MAX_SLOTS:
             raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
@@ -154,6 +155,8 @@ class Receiver:
         self.stats: Counter[str] = Counter()
         self.observer = observer
         self.changed = threading.Condition(self.lock)
+        # warn(logger, limit_key, msg, *args): a WARNING a peer can provoke (the engine rate limits it)
+        self._warn = warn or (lambda target, _key, msg, *args: target.warning(msg, *args))
 
     # peers --------------------------------------------------------------------------------------
     def add_peer(self, info: PeerInfo) -> None:
@@ -326,8 +329,8 @@ class Receiver:
     def _complain(self, conn: Any, msg: m.Message, error: KvxferError) -> None:
         self.stats[f"refused_{error.code}"] += 1
         self.stats["stale_messages"] += 1
-        log.warning("ignored %s: %s", msg.TYPE, error)
         peer = conn[0] if isinstance(conn, tuple) else None
+        self._warn(log, f"{peer}/{msg.TYPE}/{error.code}", "ignored %s: %s", msg.TYPE, error)
         if peer in self.peers:
             self._send(
                 peer,
@@ -416,10 +419,8 @@ class Receiver:
     def _on_drained(self, req: ReceiveRequest, why: str, *, ack: bool) -> None:
         if req.state is not R.QUARANTINED:
             self.stats["unexpected_drain_ack"] += 1
-            log.warning(
-                "request %r generation %d: drain proof (%s) in state %s ignored",
-                req.rid, req.gen, why, req.state.value,
-            )
+            self._warn(log, f"{req.peer}/{req.state.value}", "request %r generation %d: drain proof (%s) in state %s ignored",
+                       req.rid, req.gen, why, req.state.value)
             return
         end = R.FAILED if req.failure else R.ABORTED
         req.fsm.to(end, why)

@@ -11,9 +11,13 @@ Invariants:
   (``completed``); a request is *quiescent* when the two are equal;
 * DRAIN_ACK (and a writer-side ABORT) is posted only when the request is quiescent, on the ordered
   path behind its writes, so it proves that nothing more will land;
-* source pages return to the pool only when the request is terminal *and* quiescent, and
-  :meth:`Sender.poll`-style callers see a terminal state only then, since a transport may still be
-  reading source memory for a posted write.
+* source pages return to the pool only when the request is terminal *and* drained (quiescent and,
+  once DONE was posted, DONE built by the transport or the link gone), and :meth:`Sender.settled`
+  callers see a settled request only then, since a transport may still be reading source memory for
+  a posted write or for DONE's checksum;
+* a request in ``DONE_SENT`` fails after ``result_timeout`` without a RESULT (a decode that took the
+  KV and never answers); its sources then follow the same rule, and a link that has not taken its
+  writes by then is handed back to the engine to close.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class DoneBuilder:
     src: np.ndarray
     batches: list[WriteBatch]
     write_log: bool
+    on_built: Callable[[], None] | None = None  # DONE is built: the transport reads no source page for it
 
     def checksum(self) -> int:
         if self.algo is ChecksumAlgo.NONE:
@@ -88,9 +93,12 @@ class DoneBuilder:
 
     def __call__(self) -> m.Done:
         log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
-        return m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
+        done = m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
                       pages=int(self.src.size), checksum=self.checksum(), algo=self.algo.value, aux=self.aux,
                       runs=log_bytes)
+        if self.on_built is not None:
+            self.on_built()
+        return done
 
 
 class SenderLink(Protocol):
@@ -131,6 +139,8 @@ class SendRequest:
     placeholder: bool = False
     ack_with: type = m.DrainAck
     sources_released: bool = False
+    done_posted: bool = False  # DONE was posted behind the last write ...
+    done_built: bool = False  # ... and the transport has built it (it reads no source page any more)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
@@ -141,6 +151,16 @@ class SendRequest:
     @property
     def quiescent(self) -> bool:
         return self.completed == self.posted
+
+    @property
+    def drained(self) -> bool:
+        """Nothing of the request is left on its link: every write completed and, once DONE was
+        posted, DONE built (or the link ended, which takes its queue with it)."""
+        if self.completed != self.posted:
+            return False
+        if not self.done_posted or self.done_built:
+            return True
+        return self.link is None or not getattr(self.link, "alive", False)
 
     @property
     def total_pages(self) -> int:
@@ -166,6 +186,9 @@ class Sender:
         observer: Callable[[Lifecycle, Any, str], None] | None = None,
         max_pending_meta: int = 4096,
         write_log: bool = False,
+        result_timeout: float = 120.0,
+        max_pending_meta_bytes: int = 64 << 20,
+        warn: Callable[..., None] | None = None,
     ) -> None:
         self.pool = pool
         self.write_log = write_log  # the transport's receiver cannot see writes land: DONE carries the log
@@ -184,6 +207,13 @@ class Sender:
         self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
         self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
         self.max_pending_meta = max_pending_meta
+        self.max_pending_meta_bytes = max_pending_meta_bytes  # page-list bytes held per peer in pending_meta
+        self._pending_bytes: Counter[str] = Counter()  # per peer; may run high (removals do not count), never low
+        self.result_timeout = result_timeout
+        # terminal requests whose sources wait for their link to drain (DONE built, or the link gone)
+        self.undrained: dict[int, SendRequest] = {}
+        # warn(logger, limit_key, msg, *args): a WARNING a peer can provoke (the engine rate limits it)
+        self._warn = warn or (lambda target, _key, msg, *args: target.warning(msg, *args))
         self.meta_gen_seen: dict[str, int] = {}  # per receiver: newest META generation (they only grow)
         # Decode rejections (REJECT, generation G) for requests not admitted here yet: applied to the
         # next admission of that id, unless a META of a newer generation shows the decode moved on.
@@ -323,6 +353,15 @@ class Sender:
                         f"META while a destination from {held[0]!r} is already pending for it",
                         rid=msg.rid, generation=msg.gen))
                     return
+                most = self.layout.pages_for_tokens(self.max_context)
+                if len(msg.pages) > most and not self.unsafe_legacy:
+                    # no prompt this prefill admits needs that many pages: never held, answered at once
+                    self.stats["oversized_meta"] += 1
+                    text = (f"{len(msg.pages):,} destination pages, more than the {most:,} of the longest prompt "
+                            f"this prefill admits ({self.max_context:,} tokens)")
+                    self._warn(log, f"{peer}/oversized", "refused META %r from %s: %s", msg.rid, peer, text)
+                    self._reject_meta(peer, msg, "exceeds_context", text)
+                    return
                 if held is None and len(self.pending_meta) >= self.max_pending_meta and sum(
                         1 for p in self.pending_meta.values() if p[0] == peer) >= self.max_pending_meta:
                     self.stats["flood_refused"] += 1
@@ -330,6 +369,18 @@ class Sender:
                         f"{self.max_pending_meta} destinations from this peer already wait for requests not "
                         "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
                     return
+                size = int(msg.pages.nbytes)
+                if self._pending_bytes[peer] + size > self.max_pending_meta_bytes:
+                    held_bytes = sum(int(p[1].pages.nbytes) for p in self.pending_meta.values() if p[0] == peer)
+                    self._pending_bytes[peer] = held_bytes  # the running count only ever overestimates
+                    if held_bytes + size > self.max_pending_meta_bytes:
+                        self.stats["meta_bytes_refused"] += 1
+                        self._error(peer, msg, PeerError(
+                            f"destinations from this peer already hold {held_bytes:,} bytes of page lists for "
+                            f"requests not admitted here (max_pending_meta_bytes {self.max_pending_meta_bytes:,}); "
+                            "refusing more", rid=msg.rid, generation=msg.gen))
+                        return
+                self._pending_bytes[peer] += size
                 self.pending_meta[msg.rid] = (peer, msg, self._clock() + self.meta_timeout)
                 return
             if req.expected_peer is not None and peer != req.expected_peer:
@@ -442,6 +493,9 @@ class Sender:
     def on_result(self, peer: str, msg: m.Result) -> None:
         with self.lock:
             req = self.by_gen.get((peer, msg.gen))
+            if req is not None and req.rid == msg.rid and req.done_posted and not req.done_built:
+                req.done_built = True  # the decode answers DONE: it was built and sent
+                self._maybe_release(req)
             if req is None or req.rid != msg.rid or req.state is not S.DONE_SENT:
                 self.stats["stale_result"] += 1
                 return
@@ -455,7 +509,7 @@ class Sender:
 
     def _error(self, peer: str, msg: m.Message, error: KvxferError) -> None:
         self.stats[f"refused_{error.code}"] += 1
-        log.warning("ignored %s from %s: %s", msg.TYPE, peer, error)
+        self._warn(log, f"{peer}/{msg.TYPE}/{error.code}", "ignored %s from %s: %s", msg.TYPE, peer, error)
         self._send(peer, m.Error(about=msg.TYPE, code=error.code, detail=str(error),
                                  rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0)))
 
@@ -580,13 +634,22 @@ class Sender:
         # checksums were computed meanwhile on the checksum thread (or it reads the pages once).
         done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=req.gen, aux=aux,
                            src=src, batches=list(req.batches),
-                           write_log=self.write_log)
+                           write_log=self.write_log, on_built=lambda: self._done_built(req))
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
+        req.done_posted = True
         req.link.post_ordered(done, slot=req.slot, gen=req.gen)
         req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
+        req.deadline = self._clock() + self.result_timeout  # a decode that never answers cannot pin the sources
         self.stats["done_sent"] += 1
         self.changed.notify_all()
+
+    def _done_built(self, req: SendRequest) -> None:
+        """Transport thread: DONE of ``req`` is built; its sources may go once the request ended."""
+        with self.lock:
+            req.done_built = True
+            self._maybe_release(req)
+            self.changed.notify_all()
 
     def refuse(self, rid: Any, reason: str, detail: str) -> None:
         """The caller gave up on ``rid`` before admitting it (its client left, its bootstrap timed
@@ -689,6 +752,9 @@ class Sender:
     def on_connection_closed(self, link: Any, reason: str) -> None:
         """The data connection is gone (dead peer or fence): settle every request bound to it."""
         with self.lock:
+            for req in list(self.undrained.values()):
+                if req.link is link:
+                    self._maybe_release(req)
             for req in list(self.active.values()):
                 if req.link is not link:
                     continue
@@ -699,7 +765,10 @@ class Sender:
                     self._fail(req, TransferFailed(f"connection closed: {reason}", reason="connection",
                                                    rid=req.rid, generation=req.gen))
 
-    def tick(self) -> None:
+    def tick(self) -> list[tuple[Any, str]]:
+        """Timeouts and expiries; returns the links (with why) whose writes a failed request still
+        waits on, for the engine to close: a link that took no write for ``result_timeout``."""
+        stuck: list[tuple[Any, str]] = []
         with self.lock:
             now = self._clock()
             for req in list(self.active.values()):
@@ -707,6 +776,19 @@ class Sender:
                     self._fail(req, TransferFailed(
                         f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
                         rid=req.rid))
+                elif req.state is S.DONE_SENT and now >= req.deadline:
+                    # The decode took DONE (or never read the writes before it) and never answered:
+                    # fail, and free the sources by the drain rule of an abort after DONE.
+                    self.stats["result_timeouts"] += 1
+                    self._fail(req, TransferFailed(
+                        f"no RESULT from decode {req.peer!r} within {self.result_timeout:g} s of DONE",
+                        reason="result_timeout", rid=req.rid, generation=req.gen))
+                    if not req.quiescent and req.link is not None:
+                        stuck.append((req.link, f"request {req.rid!r} generation {req.gen}: "
+                                                f"{req.posted - req.completed} writes not taken within "
+                                                f"{self.result_timeout:g} s"))
+            for req in list(self.undrained.values()):
+                self._maybe_release(req)  # its link may have ended without telling
             for rid, (_msg, deadline, _peer) in list(self.peer_rejections.items()):
                 if now >= deadline:
                     del self.peer_rejections[rid]
@@ -719,6 +801,9 @@ class Sender:
                     self.stats["meta_expired"] += 1
                     self._reject_meta(peer, msg, "not_admitted",
                                       f"prefill never admitted request {rid!r} within {self.meta_timeout:g} s")
+            if not self.pending_meta and self._pending_bytes:
+                self._pending_bytes.clear()
+        return stuck
 
     # bookkeeping -----------------------------------------------------------------------------------
     def _lookup(self, rid: Any) -> SendRequest:
@@ -745,12 +830,15 @@ class Sender:
             del self.active[req.rid]
         self._remember(req)
         self._maybe_release(req)
+        if not req.sources_released:
+            self.undrained[id(req)] = req
         self.changed.notify_all()
 
     def _maybe_release(self, req: SendRequest) -> None:
-        if req.sources_released or not req.fsm.terminal or not req.quiescent:
+        if req.sources_released or not req.fsm.terminal or not req.drained:
             return
         req.sources_released = True
+        self.undrained.pop(id(req), None)
         req.batches = []
         if req.pages.size and not req.external:
             self.pool.release(req.pages, req.local_gen, allowed=(PageState.RESERVED,))
@@ -764,8 +852,9 @@ class Sender:
             self.by_gen.popitem(last=False)
 
     def settled(self, req: SendRequest) -> bool:
-        """Terminal and quiescent: the caller may reuse the request's source memory."""
-        return req.fsm.terminal and req.quiescent
+        """Terminal and drained (every write completed, DONE built if posted): the caller may reuse
+        the request's source memory."""
+        return req.fsm.terminal and req.drained
 
     def check_accounting(self) -> dict[str, int]:
 

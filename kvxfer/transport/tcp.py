@@ -3,9 +3,18 @@
 The receiving side behaves like a NIC: a thread per connection reads frames and lands WRITE
 payloads straight into the destination pages with ``recv_into`` (no intermediate copy), consulting
 only the :class:`~kvxfer.core.writeguard.WriteGuard` (the software rkey), never the decode engine's logic.
-A refused write's payload is read into a scratch buffer and dropped. ORDERED frames (DONE,
+A refused write's payload is read into a small scratch buffer and dropped. ORDERED frames (DONE,
 DRAIN_ACK, REJECT, ABORT) are handed to the engine only after every earlier frame on the connection
 was processed, which is what makes them drain proofs.
+
+Anyone who reaches the data port can connect, so until its CONNECT is accepted a connection costs
+a few bytes and no thread: one accept thread takes connections and reads every pending CONNECT
+through one selector, closes connections beyond ``max_connections`` (pending and live together) at
+once and those without a complete CONNECT after ``connect_timeout``, and checks every announced
+body length (CONNECT: :data:`CONNECT_BODY_MAX`; ORDERED: ``max_ordered_body``) before allocating it.
+accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) is retried with
+exponential backoff and reported (``on_event("accept_error")``); only :meth:`TcpReceiver.close` ends
+the accept thread.
 
 The sending side (:class:`TcpLink`) runs a thread per connection that turns write batches into
 frames (gather ``sendmsg`` from the source pages) and reports completions; a batch whose request
@@ -27,12 +36,15 @@ exactly once, either to the fencer (return value) or through ``on_closed``.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
+import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -64,7 +76,14 @@ FRAME_MAX_RUNS = 512
 SUM_CHUNK = 256 << 10  # land this much, then checksum it while it is still in cache (L2)
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
-_SCRATCH = 1 << 20
+_SCRATCH = 64 << 10  # a refused write's payload is read through this, made on a connection's first refusal
+CONNECT_BODY_MAX = f.CONNECT_BODY_MAX
+ACCEPT_BACKOFF_MIN = 0.01  # after accept() fails (no descriptors, no memory): retry after this, doubling
+ACCEPT_BACKOFF_MAX = 1.0
+# accept() errors that belong to the one connection being taken (accept(2), Linux): take the next
+_ACCEPT_TRANSIENT = frozenset(getattr(errno, name) for name in (
+    "ECONNABORTED", "EPROTO", "EINTR", "EPERM", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET", "EHOSTUNREACH",
+    "EOPNOTSUPP", "ENETUNREACH") if hasattr(errno, name))
 
 
 def frame_limit(layout: KVLayout) -> int:
@@ -120,6 +139,7 @@ def send_all(sock: socket.socket, pieces: list[Any]) -> None:
 
 
 class _ConnState(enum.Enum):
+    HANDSHAKE = "handshake"  # accepted, CONNECT not complete yet: held by the accept thread, no thread of its own
     OPEN = "open"
     FENCING = "fencing"
     CLOSED = "closed"
@@ -130,7 +150,15 @@ class _Inbound:
     sock: socket.socket
     conn_id: Any = None
     thread: threading.Thread | None = None
-    state: _ConnState = _ConnState.OPEN
+    state: _ConnState = _ConnState.HANDSHAKE
+    deadline: float = 0.0  # HANDSHAKE: CONNECT must be complete by then (monotonic)
+    header: f.FrameHeader | None = None  # HANDSHAKE: the CONNECT header, once all of it arrived
+    got: bytearray = field(default_factory=bytearray)  # HANDSHAKE: bytes of the header or body so far
+    scratch: memoryview | None = None  # OPEN: refused payloads are read through it (made on first refusal)
+
+
+_LISTENER = object()  # selector keys of the accept thread that are not connections
+_WAKE = object()
 
 
 CAPABILITIES = Capabilities(raw_frames=True)
@@ -154,7 +182,10 @@ def decode_offer(blob: bytes) -> str:
 
 
 class TcpReceiver(ReceiverBackend):
-    """Accepts writers' data connections and lands their writes through the write guard."""
+    """Accepts writers' data connections and lands their writes through the write guard.
+
+    One accept thread takes connections and reads their CONNECT frames (non-blocking, all of them
+    through one selector); only a connection the engine accepted gets a landing thread."""
 
     name = "tcp"
     capabilities = CAPABILITIES
@@ -169,8 +200,12 @@ class TcpReceiver(ReceiverBackend):
         on_connect: Callable[[m.Connect], Any],
         on_ordered: Callable[[Any, m.Message], None],
         on_closed: Callable[[Any, str], None],
+        on_event: Callable[..., None] | None = None,
         checksum: Any = None,
         staging: str | None = None,
+        max_connections: int = 256,
+        connect_timeout: float = 5.0,
+        max_ordered_body: int = 2 << 20,
     ) -> None:
         from ..core.checksum import ChecksumAlgo, native_id
 
@@ -179,82 +214,286 @@ class TcpReceiver(ReceiverBackend):
         self._staging_mode = staging
         self._stages = copy_engine(layout, staging) is not None  # GPU pages: land via pinned buffers
         self.frame_limit = frame_limit(layout)
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.max_ordered_body = max_ordered_body
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)
         self._sum_initial = algo.initial if self._sum_fn is not None else 0
         self._on_connect = on_connect
         self._on_ordered = on_ordered
         self._on_closed = on_closed
+        self._on_event = on_event
         self._dst = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         self._listener = socket.create_server((host, port), backlog=64)
+        self._listener.setblocking(False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._conns: dict[Any, _Inbound] = {}
-        self._pending: set[_Inbound] = set()
+        self._pending: set[_Inbound] = set()  # HANDSHAKE connections (the accept thread's)
+        self._deadlines: deque[_Inbound] = deque()  # the same, by deadline (they all wait connect_timeout)
         self._closed = False
         self.protocol_errors = 0
         self.frames = 0
         self.payload_seconds = 0.0  # time inside the payload copy (recv into destination pages)
         self.busy_seconds = 0.0  # time handling frames, from header arrival to done
+        self.connections_refused = 0  # closed at accept: max_connections held already
+        self.connect_timeouts = 0  # closed without a complete CONNECT within connect_timeout
+        self.accept_errors = 0  # accept() failures (out of descriptors or memory), retried with backoff
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kvxfer-tcp-accept", daemon=True)
         self._accept_thread.start()
 
+    # the accept thread: accepting, and every connection until its CONNECT is handled -------------------
     def _accept_loop(self) -> None:
-        while True:
+        backoff = 0.0
+        resume_at: float | None = None  # backing off after an accept error: the listener is not watched
+        try:
+            while not self._closed:
+                try:
+                    now = time.monotonic()
+                    if resume_at is not None and now >= resume_at:
+                        self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+                        resume_at = None
+                    wake = self._deadlines[0].deadline if self._deadlines else None
+                    if resume_at is not None:
+                        wake = resume_at if wake is None else min(wake, resume_at)
+                    events = self._selector.select(None if wake is None else max(0.0, wake - now))
+                    for key, _ in events:
+                        if key.data is _WAKE:
+                            self._drain_wake()
+                        elif key.data is _LISTENER:
+                            error = self._accept_ready()
+                            if error is None:
+                                backoff = 0.0
+                                continue
+                            backoff = min(max(2 * backoff, ACCEPT_BACKOFF_MIN), ACCEPT_BACKOFF_MAX)
+                            self._selector.unregister(self._listener)
+                            resume_at = time.monotonic() + backoff
+                            self._accept_failed(error, backoff)
+                        elif key.data.state is _ConnState.HANDSHAKE:
+                            try:
+                                self._handshake_step(key.data)
+                            except Exception as exc:  # a bug: that connection ends, the others go on
+                                log.exception("tcp receiver %s: handling a CONNECT", self.address)
+                                self._drop(key.data, error=f"{type(exc).__name__}: {exc}")
+                    self._expire(time.monotonic())
+                except Exception:  # a bug here must not end the accepting for good: log it, go on
+                    if self._closed:
+                        break
+                    log.exception("tcp receiver %s: accept loop", self.address)
+                    time.sleep(ACCEPT_BACKOFF_MAX)
+        finally:
+            with self._lock:
+                pending = list(self._pending)
+                self._pending.clear()
+            for inbound in pending:
+                inbound.state = _ConnState.CLOSED
+                _close_quietly(inbound.sock)
+            self._deadlines.clear()
+            self._selector.close()
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                _close_quietly(sock)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def _accept_ready(self) -> OSError | None:
+        """Take the connections waiting in the backlog; the error that stopped it, if one did."""
+        for _ in range(64):
             try:
                 sock, _addr = self._listener.accept()
-            except OSError:
-                return
-            _tune(sock)
-            inbound = _Inbound(sock)
-            thread = threading.Thread(target=self._serve, args=(inbound,), name="kvxfer-tcp-recv", daemon=True)
-            inbound.thread = thread
-            with self._lock:  # close() either sees this connection with its thread started, or not at all
+            except BlockingIOError:
+                return None
+            except OSError as exc:
                 if self._closed:
-                    sock.close()
-                    return
-                self._pending.add(inbound)
-                thread.start()
+                    return None
+                if exc.errno in _ACCEPT_TRANSIENT:
+                    continue  # that one connection failed before it was taken; the next may not
+                return exc
+            self._admit(sock)
+        return None
 
+    def _accept_failed(self, exc: OSError, backoff: float) -> None:
+        self.accept_errors += 1
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        if self.accept_errors == 1 or backoff >= ACCEPT_BACKOFF_MAX:
+            log.warning("tcp receiver %s: accept failed (%s: %s); retrying in %g s", self.address, name,
+                        exc.strerror, backoff)
+        self._event("accept_error", counter="accept_errors", error=name, detail=str(exc)[:200],
+                    retry_s=round(backoff, 3))
+
+    def _admit(self, sock: socket.socket) -> None:
+        """A new connection: held until its CONNECT arrives, or closed at once beyond the cap."""
+        with self._lock:
+            held = len(self._pending) + len(self._conns)
+            refuse = self._closed or held >= self.max_connections
+            if not refuse:
+                inbound = _Inbound(sock, deadline=time.monotonic() + self.connect_timeout)
+                self._pending.add(inbound)
+        if refuse:
+            closing = self._closed
+            if not closing:
+                self.connections_refused += 1
+            _close_quietly(sock)
+            if not closing:
+                self._event("data_connection_refused", counter="data_connections_refused", held=held,
+                            max_data_connections=self.max_connections)
+            return
+        try:
+            sock.setblocking(False)
+            _tune(sock)
+            self._selector.register(sock, selectors.EVENT_READ, inbound)
+        except (OSError, ValueError):
+            self._drop(inbound)
+            return
+        self._deadlines.append(inbound)
+
+    def _drop(self, inbound: _Inbound, *, error: str | None = None, event: bool = True) -> None:
+        """End a connection that never became one (no CONNECT handled): nothing to report to the engine.
+        ``error``: a protocol error (counted; with ``event``, a rate-limited event line)."""
+        with self._lock:
+            if inbound.state is not _ConnState.HANDSHAKE:
+                return  # handed to a landing thread (or already dropped)
+            self._pending.discard(inbound)
+            inbound.state = _ConnState.CLOSED
+            if error is not None:
+                self.protocol_errors += 1
+        try:
+            self._selector.unregister(inbound.sock)
+        except (KeyError, ValueError):
+            pass
+        _close_quietly(inbound.sock)
+        if error is not None and event:
+            self._event("data_handshake_error", counter="data_handshake_errors", error=error[:300])
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines:
+            inbound = self._deadlines[0]
+            if inbound.state is _ConnState.HANDSHAKE and inbound.deadline > now:
+                return
+            self._deadlines.popleft()
+            if inbound.state is _ConnState.HANDSHAKE:
+                self.connect_timeouts += 1
+                got = len(inbound.got) + (f.HEADER_SIZE if inbound.header is not None else 0)
+                self._drop(inbound)
+                self._event("connect_timeout", counter="connect_timeouts", got_bytes=got,
+                            connect_timeout=self.connect_timeout)
+
+    def _handshake_step(self, inbound: _Inbound) -> None:
+        """Read what arrived of a connection's CONNECT frame; handle it once complete."""
+        header = inbound.header
+        need = (f.HEADER_SIZE if header is None else header.body_len) - len(inbound.got)
+        try:
+            data = inbound.sock.recv(min(need, 65536))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(inbound)
+            return
+        if not data:
+            self._drop(inbound)  # closed before CONNECT (a port probe, a writer that gave up)
+            return
+        inbound.got += data
+        if len(data) < need:
+            return
+        try:
+            if header is None:
+                header = f.parse_header(inbound.got)
+                if header.kind is not f.FrameKind.CONNECT:
+                    raise ProtocolError(f"first frame must be CONNECT, got {header.kind.name}")
+                if header.body_len > CONNECT_BODY_MAX:
+                    raise ProtocolError(f"CONNECT frame body of {header.body_len} bytes "
+                                        f"(a CONNECT is at most {CONNECT_BODY_MAX})")
+                inbound.header = header
+                inbound.got = bytearray()
+                return
+            hello = m.decode(bytes(inbound.got))
+            if not isinstance(hello, m.Connect):
+                raise ProtocolError(f"CONNECT frame carries {hello.TYPE}")
+        except ProtocolError as exc:
+            self._drop(inbound, error=str(exc))
+            return
+        self._connect(inbound, hello)
+
+    def _connect(self, inbound: _Inbound, hello: m.Connect) -> None:
+        """A complete CONNECT: ask the engine; an accepted connection gets its landing thread."""
+        try:
+            self._selector.unregister(inbound.sock)
+        except (KeyError, ValueError):
+            pass
+        inbound.got = bytearray()
+        try:
+            conn_id = self._on_connect(hello)
+        except Exception:  # the engine failed to decide: refuse
+            log.exception("tcp receiver %s: CONNECT from %r", self.address, hello.engine)
+            conn_id = None
+        if conn_id is None:  # the engine counted and reported the refusal (unknown peer, wrong epoch or proof)
+            self._drop(inbound, error=f"connection from {hello.engine!r} refused", event=False)
+            return
+        thread = threading.Thread(target=self._serve, args=(inbound,), name="kvxfer-tcp-recv", daemon=True)
+        started = False
+        with self._lock:  # close() either sees this connection with its thread started, or not at all
+            self._pending.discard(inbound)
+            if not self._closed:
+                inbound.conn_id = conn_id
+                inbound.thread = thread
+                inbound.state = _ConnState.OPEN
+                self._conns[conn_id] = inbound
+                try:
+                    inbound.sock.setblocking(True)
+                    thread.start()
+                    started = True
+                except (OSError, RuntimeError) as exc:  # no thread to be had: the connection ends here
+                    log.error("tcp receiver %s: cannot serve connection %s: %s", self.address, conn_id, exc)
+                    del self._conns[conn_id]
+            if not started:
+                inbound.state = _ConnState.CLOSED
+        if not started:
+            _close_quietly(inbound.sock)
+            self._on_closed(conn_id, "receiver closed" if self._closed else "no landing thread")
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(kind, **fields)
+        except Exception:  # pragma: no cover - reporting must never break the data path
+            log.exception("tcp receiver %s: reporting %s", self.address, kind)
+
+    # a landing thread per accepted connection ---------------------------------------------------------
     def _serve(self, inbound: _Inbound) -> None:
         sock = inbound.sock
         header_buf = bytearray(f.HEADER_SIZE)
         header_view = memoryview(header_buf)
-        scratch = memoryview(bytearray(_SCRATCH))
         reason = "closed"
         staging = None
         try:
             if self._stages:
                 staging = Staging(copy_engine(self.layout, self._staging_mode), self.frame_limit)
-            recv_exact(sock, header_view)
-            header = f.parse_header(header_buf)
-            if header.kind is not f.FrameKind.CONNECT:
-                raise ProtocolError(f"first frame must be CONNECT, got {header.kind.name}")
-            body = bytearray(header.body_len)
-            recv_exact(sock, memoryview(body))
-            hello = m.decode(body)
-            if not isinstance(hello, m.Connect):
-                raise ProtocolError(f"CONNECT frame carries {hello.TYPE}")
-            conn_id = self._on_connect(hello)
-            if conn_id is None:
-                raise ProtocolError(f"connection from {hello.engine!r} refused (unknown peer, wrong epoch or proof)")
-            with self._lock:
-                self._pending.discard(inbound)
-                if self._closed:
-                    raise ConnectionError("receiver closed")
-                inbound.conn_id = conn_id
-                self._conns[conn_id] = inbound
             while True:
                 recv_exact(sock, header_view)
                 t0 = time.perf_counter()
                 header = f.parse_header(header_buf)
                 if header.kind is f.FrameKind.WRITE:
-                    self._land_write(sock, inbound.conn_id, header, scratch, staging)
+                    self._land_write(sock, inbound, header, staging)
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED:
+                    if header.body_len > self.max_ordered_body:  # refused before allocating or reading it
+                        raise ProtocolError(f"ORDERED frame body of {header.body_len} bytes exceeds "
+                                            f"max_ordered_body ({self.max_ordered_body})")
                     body = bytearray(header.body_len)
                     recv_exact(sock, memoryview(body))
                     msg = m.decode(body)
@@ -284,18 +523,22 @@ class TcpReceiver(ReceiverBackend):
                     log.error("data connection %s: staging copies failed: %s", inbound.conn_id, exc)
             self._finish(inbound, reason)
 
-    def _land_write(self, sock: socket.socket, conn_id: Any, header: f.FrameHeader, scratch: memoryview,
+    def _land_write(self, sock: socket.socket, inbound: _Inbound, header: f.FrameHeader,
                     staging: Staging | None = None) -> None:
+        conn_id = inbound.conn_id
         if staging is not None and header.payload_len > staging.capacity:
             # refused before reading anything more: landing it would overrun the staging buffer
             raise ProtocolError(f"WRITE frame of {header.payload_len} bytes exceeds the staging buffer "
                                 f"({staging.capacity} bytes): a writer cuts frames to that size")
-        body = bytearray(header.body_len)
+        body = bytearray(header.body_len)  # at most MAX_RUNS runs: parse_header checked it
         recv_exact(sock, memoryview(body))
         runs = f.parse_runs(header, body)
         try:
             window, counts = self.guard.check(conn_id, header.slot, header.generation, runs)
         except WriteRefused:
+            if inbound.scratch is None:
+                inbound.scratch = memoryview(bytearray(_SCRATCH))
+            scratch = inbound.scratch
             remaining = header.payload_len
             while remaining:
                 chunk = min(remaining, len(scratch))
@@ -363,8 +606,13 @@ class TcpReceiver(ReceiverBackend):
         return encode_offer(self.address)
 
     def stats(self) -> dict[str, Any]:
+        with self._lock:
+            live, pending = len(self._conns), len(self._pending)
         return {"protocol_errors": self.protocol_errors, "frames": self.frames,
-                "payload_seconds": self.payload_seconds, "busy_seconds": self.busy_seconds}
+                "payload_seconds": self.payload_seconds, "busy_seconds": self.busy_seconds,
+                "live_connections": live, "pending_connections": pending,
+                "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
+                "accept_errors": self.accept_errors}
 
     def fence(self, conn_id: Any) -> bool:
         """Close ``conn_id`` and wait until its thread stopped: afterwards nothing from it lands.
@@ -394,26 +642,21 @@ class TcpReceiver(ReceiverBackend):
                 return
             self._closed = True
         try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            self._wake_w.send(b"x")  # the accept thread closes the listener and every connection without CONNECT
         except OSError:
             pass
-        try:
-            self._listener.close()
-        except OSError:  # pragma: no cover
-            pass
-        for conn_id in self.connections():
+        if self._accept_thread is not threading.current_thread():
+            self._accept_thread.join(timeout=10)
+        for conn_id in self.connections():  # no connection is added any more
             if self.fence(conn_id):
                 self._on_closed(conn_id, "receiver closed")
-        with self._lock:
-            pending = list(self._pending)
-        for inbound in pending:
-            try:
-                inbound.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            if inbound.thread is not None:
-                inbound.thread.join()
-        self._accept_thread.join(timeout=2)
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:  # pragma: no cover
+        pass
 
 
 # sending side ----------------------------------------------------------------------------------------
@@ -638,8 +881,10 @@ def _options(config: Any) -> TcpOptions:
 
 def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> TcpReceiver:
     return TcpReceiver(layout, guard, host=config.host, port=config.data_port, on_connect=hooks.on_connect,
-                       on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, checksum=config.checksum,
-                       staging=_options(config).staging)
+                       on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, on_event=hooks.on_event,
+                       checksum=config.checksum, staging=_options(config).staging,
+                       max_connections=config.max_data_connections, connect_timeout=config.connect_timeout,
+                       max_ordered_body=config.max_ordered_body)
 
 
 def _sender(layout: KVLayout, config: Any) -> TcpTransport:

@@ -15,13 +15,17 @@ On disk (``kvxfer keygen``) a keyring is a directory ``NAME/`` holding ``self.ke
 certificate format) and ``trusted/*.key`` (public certificates, one per trusted engine).
 
 Invariants: secret keys never leave the keyring object or its ``self.key_secret`` file (written
-0600); an address without a key is refused by an engine that has a keyring.
+0600, replacing any older file atomically; a secret file open to group or others is refused when
+loaded); an address without a key is refused by an engine that has a keyring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -90,6 +94,10 @@ class Keyring:
             raise ConfigError(f"keyring {root}: cannot read self.key_secret: {exc}") from exc
         if secret is None:
             raise ConfigError(f"keyring {root}: self.key_secret holds no secret key")
+        mode = stat.S_IMODE(own.stat().st_mode)
+        if mode & 0o077:
+            raise ConfigError(f"keyring {root}: the secret key {own} is open to {_who(mode)} (mode {mode:#o}); "
+                              f"run `chmod 600 {own}` (or `kvxfer keygen --force` for new keys)")
         trusted: dict[bytes, str] = {}
         trusted_dir = root / "trusted"
         for cert in sorted(trusted_dir.glob("*.key")) if trusted_dir.is_dir() else []:
@@ -106,9 +114,20 @@ class Keyring:
         trusted_dir = root / "trusted"
         trusted_dir.mkdir(parents=True, exist_ok=True)
         own = root / "self.key_secret"
-        fd = os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(_certificate(self.public, self._secret))
+        # a new file, private from its first byte, replacing the old one at once: an existing secret's
+        # mode (0644 from a copy, say) is never kept, and no reader sees half a file
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".self.key_secret.")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(_certificate(self.public, self._secret))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, own)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         for stale in trusted_dir.glob("*.key"):
             stale.unlink()
         for key, name in sorted(self.trusted.items(), key=lambda item: item[1]):
@@ -143,6 +162,21 @@ def split_address(address: str) -> tuple[str, bytes | None]:
     return endpoint, z85.encode(raw)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a control socket bound to ``host`` is reachable from this machine only: a loopback
+    address, ``localhost`` or the loopback interface ``lo``. Other names are not resolved (so not
+    assumed local); ``*`` and ``0.0.0.0`` are every interface."""
+    import ipaddress
+
+    name = host.strip().strip("[]").lower()
+    if name in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def z85_to_hex(key: bytes) -> str:
     from zmq.utils import z85
 
@@ -162,6 +196,11 @@ def write_cluster(directory: str | os.PathLike[str], names: Iterable[str], *, fo
         shutil.rmtree(path)
     rings = Keyring.cluster(names)
     return [ring.save(root / _safe(name)) for name, ring in rings.items()]
+
+
+def _who(mode: int) -> str:
+    """Who besides the owner may use a file of ``mode``: "group", "others" or "group and others"."""
+    return " and ".join(who for who, bits in (("group", 0o070), ("others", 0o007)) if mode & bits)
 
 
 def _safe(name: str) -> str:

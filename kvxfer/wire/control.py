@@ -12,6 +12,11 @@ handshakes become control events), DEALERs connect only to addresses carrying a 
 and each routing identity is bound to the key it first arrived with, so an authenticated engine
 cannot speak under another engine's name. Without a keyring the plane is open, and says so once.
 
+An answer to a peer the engine does not keep (a refused HELLO) goes out once on a socket of its own
+without the engine's identity (:meth:`ControlPlane.send_once`; a bounded number at once, each closed
+after :data:`ONCE_HOLD_S`), and the engine closes the sockets of addresses no peer uses any more
+(:meth:`ControlPlane.retain`), so what a stranger names cannot pile up sockets.
+
 Invariants: sockets are closed exactly once (``close()`` is idempotent); nothing here interprets a
 message, it only moves bytes; with a keyring no message from an unauthenticated peer is delivered.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -28,13 +34,15 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from ..errors import PeerError
 from . import messages as m
-from .auth import Keyring, split_address, z85_to_hex
+from .auth import Keyring, is_loopback, split_address, z85_to_hex
 
 log = logging.getLogger("kvxfer.control")
 ZAP_DOMAIN = "kvxfer"
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MAX_BOUND = 65536
+ONCE_HOLD_S = 2.0  # a one-off answer's socket lives this long (to connect and deliver), then closes
+MAX_ONCE = 32  # one-off answers in flight at once; more are not sent (a flood of strangers)
 
 
 class _Gatekeeper(ThreadAuthenticator):
@@ -95,6 +103,7 @@ class ControlPlane:
         self.address = keyring.address(self.endpoint) if keyring is not None else self.endpoint
         self._bound: dict[str, bytes] = {}  # routing identity -> the client key it authenticated with
         self._out: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._once: collections.OrderedDict[str, tuple[zmq.Socket, float]] = collections.OrderedDict()
         self._out_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -104,8 +113,10 @@ class ControlPlane:
         self.sent = 0
         self.received = 0
         if keyring is None:
+            beyond = "" if is_loopback(host) else (" (a non-loopback address, allowed by allow_open_control: "
+                                                   "give the engine a keyring instead)")
             log.warning("%s: control plane is NOT authenticated (no keyring): any host that reaches %s can "
-                        "peer with this engine", engine_id, self.endpoint)
+                        "peer with this engine%s", engine_id, self.endpoint, beyond)
 
     def _denied(self, key: bytes, address: str) -> None:
         """ZAP thread: a handshake with an untrusted key (appended; the control thread reports it)."""
@@ -118,29 +129,39 @@ class ControlPlane:
                 raise PeerError("control plane is closed")
             entry = self._out.get(address)
             if entry is None:
-                endpoint, server_key = split_address(address)
-                if self.keyring is None and server_key is not None:
-                    raise PeerError(f"{address} requires authenticated peers; give this engine a keyring")
-                if self.keyring is not None:
-                    if server_key is None:
-                        raise PeerError(f"refusing to connect to {address}: no server key in the address, and "
-                                        "this engine only talks to authenticated peers")
-                    if not self.keyring.is_trusted(server_key):
-                        raise PeerError(f"refusing to connect to {address}: its key is not in this engine's "
-                                        "keyring")
-                sock = self._ctx.socket(zmq.DEALER)
-                if self.keyring is not None:
-                    sock.curve_serverkey = server_key
-                    sock.curve_publickey = self.keyring.public
-                    sock.curve_secretkey = self.keyring.secret
-                sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 100_000)
-                sock.setsockopt(zmq.IMMEDIATE, 0)
-                sock.connect(endpoint)
-                entry = (sock, threading.Lock())
+                entry = (self._open_dealer(address, self.engine_id.encode()), threading.Lock())
                 self._out[address] = entry
             return entry
+
+    def _open_dealer(self, address: str, identity: bytes | None, *, hwm: int = 100_000) -> zmq.Socket:
+        """A DEALER connected to ``address`` under routing ``identity`` (CURVE with a keyring); with
+        None the peer's ROUTER makes one up for the connection."""
+        endpoint, server_key = split_address(address)
+        if self.keyring is None and server_key is not None:
+            raise PeerError(f"{address} requires authenticated peers; give this engine a keyring")
+        if self.keyring is not None:
+            if server_key is None:
+                raise PeerError(f"refusing to connect to {address}: no server key in the address, and "
+                                "this engine only talks to authenticated peers")
+            if not self.keyring.is_trusted(server_key):
+                raise PeerError(f"refusing to connect to {address}: its key is not in this engine's "
+                                "keyring")
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            if self.keyring is not None:
+                sock.curve_serverkey = server_key
+                sock.curve_publickey = self.keyring.public
+                sock.curve_secretkey = self.keyring.secret
+            if identity is not None:
+                sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, hwm)
+            sock.setsockopt(zmq.IMMEDIATE, 0)
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise PeerError(f"cannot connect to {address}: {exc}") from None
+        return sock
 
     def send(self, address: str, msg: m.Message) -> None:
         """Queue ``msg`` for the engine at ``address``; raises :class:`PeerError` if it cannot."""
@@ -158,11 +179,63 @@ class ControlPlane:
                 raise PeerError(f"cannot send to {address}: {exc}") from None
         self.sent += 1
 
+    def send_once(self, address: str, msg: m.Message) -> bool:
+        """Answer a peer this engine does not keep (a refused HELLO, another protocol version): one
+        message over a socket of its own without a routing identity (the receiving ROUTER makes up a
+        random one, so the answer does not name this engine), closed after :data:`ONCE_HOLD_S`. At most :data:`MAX_ONCE` such sockets
+        exist at once; False (nothing sent) beyond that or when ``address`` is unusable."""
+        data = m.encode(msg)
+        with self._out_lock:
+            if self._closed:
+                return False
+            entry = self._once.get(address)
+            if entry is None:
+                if len(self._once) >= MAX_ONCE:
+                    return False
+                try:
+                    sock = self._open_dealer(address, None, hwm=16)
+                except PeerError:
+                    return False
+                entry = self._once[address] = (sock, time.monotonic() + ONCE_HOLD_S)
+            try:
+                entry[0].send(data, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return False
+        self.sent += 1
+        return True
+
+    def retain(self, addresses: set[str] | frozenset[str]) -> int:
+        """Close the per-peer sockets of every address not in ``addresses`` (peers forgotten, answers
+        to peers never kept); returns how many were closed."""
+        with self._out_lock:
+            stale = [self._out.pop(a) for a in list(self._out) if a not in addresses]
+        for sock, lock in stale:
+            with lock:
+                sock.close(0)
+        return len(stale)
+
+    def open_sockets(self) -> int:
+        """Sockets this plane holds toward others (per-peer and one-off), for bookkeeping and tests."""
+        with self._out_lock:
+            return len(self._out) + len(self._once)
+
+    def _expire_once(self) -> None:
+        now = time.monotonic()
+        with self._out_lock:
+            while self._once:
+                address, (sock, deadline) = next(iter(self._once.items()))
+                if deadline > now and not self._closed:
+                    return
+                del self._once[address]
+                sock.close(0)
+
     def receive(self, timeout_ms: int) -> list[tuple[str, bytes]]:
         """Messages that arrived within ``timeout_ms`` (control thread only)."""
         out: list[tuple[str, bytes]] = []
         if self._closed:
             return out
+        if self._once:
+            self._expire_once()
         ready = dict(self._poller.poll(timeout_ms))
         if self._monitor is not None and self._monitor in ready:
             self._read_monitor()
@@ -246,9 +319,13 @@ class ControlPlane:
             self._closed = True
             entries = list(self._out.values())
             self._out.clear()
+            once = [sock for sock, _ in self._once.values()]
+            self._once.clear()
         for sock, lock in entries:
             with lock:
                 sock.close(0)
+        for sock in once:
+            sock.close(0)
         self._shutdown_sockets()
 
     def _shutdown_sockets(self) -> None:

@@ -131,6 +131,9 @@ def write_header(slot: int, generation: int, count: int, payload_len: int) -> by
     return FrameHeader(FrameKind.WRITE, slot, generation, count, count * RUN_SIZE, payload_len).pack()
 
 
+CONNECT_BODY_MAX = 32 << 10  # a CONNECT holds an engine id (at most 4096 characters), an epoch and a proof
+
+
 def message_frame(kind: FrameKind, body: bytes, *, slot: int = 0, generation: int = 0) -> bytes:
     return FrameHeader(kind, slot, generation, 0, len(body), 0).pack() + body
 

@@ -2,9 +2,9 @@
 
 Every ``KVXFER_*`` variable is read by :meth:`EngineConfig.from_env`, the one reader; this module
 adds what SGLang decides: the context length, the free policy (SGLang owns the bytes of the pages it
-reads), the transfer and destination timeouts (SGLang's waiting timeout), a drain timeout below
-SGLang's deferred-release timeout, ``--disaggregation-ib-device`` when no variable names a device,
-and a per-rank offset on the ports a variable fixed.
+reads), the transfer and destination timeouts (SGLang's waiting timeout; the RESULT timeout is never
+below it), a drain timeout below SGLang's deferred-release timeout, ``--disaggregation-ib-device``
+when no variable names a device, and a per-rank offset on the ports a variable fixed.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def engine_config(server_args: Any, pool_tokens: int, rank: int,
     changes: dict[str, Any] = {
         # Fence before SGLang's deferred-release timeout could free a page kvxfer still guards.
         "drain_timeout": max(0.5, min(config.drain_timeout, deferred_timeout / 2)),
+        # An honest decode answers RESULT within its transfer timeout (SGLang's waiting timeout).
+        "result_timeout": max(config.result_timeout, waiting_timeout),
     }
     for name in ("metrics_port", "control_port", "data_port"):  # rank r serves on KVXFER_<NAME> + r
         port = getattr(config, name)

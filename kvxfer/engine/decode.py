@@ -106,6 +106,12 @@ class DecodeEngine(EngineBase):
                     self.receiver.abort(msg.rid, f"prefill rejected it: {msg.detail}", failure=True,
                                         generation=msg.gen)
             return
+        if isinstance(msg, m.Fenced):
+            # the writer's end of a connection ended: fence ours now (nothing more lands) and offer anew
+            conn = self.receiver.peers[identity].conn
+            if conn is not None and conn[1] == msg.epoch:
+                self.fence(conn, f"the writer closed it: {msg.reason}"[:4000])
+            return
         raise ProtocolError(f"{msg.TYPE} is not a message a decode engine accepts")
 
     def _on_hello_ack(self, identity: str, msg: m.HelloAck) -> None:

@@ -245,11 +245,15 @@ class PrefillEngine(EngineBase):
     def _on_link_closed(self, link: SenderLink, reason: str) -> None:
         self.counters["connections_lost"] += 1
         log.info("%s: data connection %s closed: %s", self.engine_id, link.conn_id, reason)
+        tell = None
         with self.lock:
             for peer in self.peers.values():
                 if peer.link is link:
-                    peer.link = None  # the decode sees the end too and offers the next epoch
+                    peer.link = None  # the decode offers the next epoch once it knows
+                    tell = None if self._closed else peer.engine
             self.sender.on_connection_closed(link, reason)
+        if tell is not None:  # our end of the live connection failed: say so (verbs cannot see it)
+            self._send_to_peer(tell, m.Fenced(epoch=link.epoch, reason=reason[:4000]))
 
     def _on_fenced(self, peer: _Peer, msg: m.Fenced) -> None:
         """The decode fenced our connection of epoch ``msg.epoch``: settle; it offers the next one."""

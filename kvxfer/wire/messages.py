@@ -434,12 +434,15 @@ class Result(Message):
 @_register
 @dataclass(frozen=True, eq=False)
 class Fenced(Message):
-    """FENCED (receiver -> writer): a data connection epoch was closed; every request in flight on it failed."""
+    """FENCED (either way): one side closed data connection ``epoch``; the other settles its half."""
 
     TYPE: ClassVar[str] = "FENCED"
     DOC: ClassVar[str] = (
-        "receiver -> writer, control. The receiver closed data connection epoch and discards "
-        "anything that arrives on it; every request in flight on it failed. Reconnect with a new epoch."
+        "either way, control. Receiver -> writer: the receiver closed data connection epoch and "
+        "discards anything that arrives on it; every request in flight on it failed; it offers a new "
+        "epoch. Writer -> receiver: the writer's end of connection epoch ended (its queue pair or "
+        "socket failed): the receiver fences its half at once and offers a new epoch, instead of "
+        "waiting for a timeout on a fabric where it cannot see the writer's end go."
     )
     epoch: int = _f(UINT, "data connection epoch that was fenced")
     reason: str = _f(STR, "why (e.g. 'drain_timeout')")

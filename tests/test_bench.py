@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+from kvxfer.tools.bench import BenchConfig, PeerSession, Unavailable, _run_rounds
+
 pytestmark = pytest.mark.slow
+INSTALL = {"mooncake-tcp": ("mooncake", "pip install mooncake-transfer-engine-non-cuda"),
+           "nixl-ucx-tcp": ("nixl_cu12", "pip install --no-deps nixl-cu12")}
 
 
 def test_bench_reports_cases_and_ratios(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--total", "16M", "--request-bytes", "4M",
                            "--page-bytes", "64K", "--page-bytes", "4K", "--total-small", "4M", "--repeat", "2",
-                           "--baselines", "raw-socket", "--json", str(out)],
+                           "--baselines", "raw-socket,mooncake-tcp,nixl-ucx-tcp", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -30,3 +35,32 @@ def test_bench_reports_cases_and_ratios(tmp_path):
     against = {(r["page_bytes"], r["against"]) for r in report["ratios"]}
     assert (65536, "raw-socket") in against and (4096, "kvxfer-tcp checks off") in against
     assert all(r["rounds"] == 2 for r in report["ratios"])
+    # a peer that is not installed: one line naming what to install, no row, no ratio, "skipped" in the JSON
+    skipped = {s["case"]: s["reason"] for s in report["skipped"]}
+    for name, (module, install) in INSTALL.items():
+        if importlib.util.find_spec(module) is not None:
+            continue
+        assert skipped[name] == f"not installed ({install})"
+        assert f"{name}: skipped, not installed ({install})" in proc.stdout.splitlines()
+        assert not any(c["transport"] == name for c in report["cases"])
+        assert not any(r["against"] == name for r in report["ratios"])
+    assert "0.000" not in proc.stdout and "Error" not in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is not None, reason="mooncake is installed here")
+def test_a_peer_found_missing_only_when_started_is_skipped_not_failed():
+    """The peer process itself reports a missing library (say, a package that is found but does not
+    import): the session is skipped with what to install, never counted as a failed case."""
+    session = PeerSession("mooncake-tcp", BenchConfig(total_bytes=1 << 20), 65536)
+    with pytest.raises(Unavailable, match=r"^not installed \(pip install mooncake-transfer-engine-non-cuda\)$"):
+        session.start()
+    session.close(measure=False)
+    results, skipped = [], {}
+    _run_rounds(BenchConfig(total_bytes=1 << 20, repeat=1), 65536,
+                [PeerSession("mooncake-tcp", BenchConfig(total_bytes=1 << 20), 65536)], results, _Quiet(), skipped)
+    assert results == [] and skipped == {"mooncake-tcp": "not installed (pip install mooncake-transfer-engine-non-cuda)"}
+
+
+class _Quiet:
+    def print(self, *args, **kwargs):
+        pass

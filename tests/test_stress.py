@@ -45,6 +45,18 @@ def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path, trans
         assert key in report
     assert set(report["latency_ms"]) == {"p50", "p99"}
     assert png.stat().st_size > 10_000
+    # every request that did not complete is put down to the fault meant to end it, or called unexpected
+    assert report["failed"] == sum(report["failed_as_injected"].values()) + report["failed_unexpectedly"]
+    assert report["aborted"] == sum(report["aborted_as_injected"].values()) + report["aborted_unexpectedly"]
+    assert report["rejected"] == report["rejected_as_injected"]["oversized"] and report["rejected_unexpectedly"] == 0
+    assert report["failed_unexpectedly"] == 0, report["unexpected_failure_reasons"]
+    assert report["failed_as_injected"].get("kill_sender", 0) > 0
+    assert report["throughput_gbps"] > 0 and report["throughput_bytes_per_s"] > 0
+    text = " ".join(proc.stdout.split())  # the console wraps at 80 columns
+    assert f"{report['completed']} completed; {report['failed'] - report['failed_unexpectedly']} failed as injected " \
+           "faults intended (" in text
+    assert "; 0 failed unexpectedly;" in text and "PASS: no leaked, corrupted or lost pages" in text
+    assert "0.000 GB/s" not in text and "red rows" not in text
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -55,6 +67,31 @@ def test_unsafe_legacy_negative_control_reports_leaks_and_fails(tmp_path, transp
     assert report["leaked_pages"] > 0
     assert report["rejected_succeeded"] > 0
     assert report["ok"] is False
+    text = " ".join(proc.stdout.split())
+    assert f"FAIL: {report['leaked_pages']:,} leaked pages (other requests' bytes)" in text
+    assert f"{report['rejected_succeeded']:,} rejected requests that succeeded" in text
+
+
+def test_summary_words_rate_outcomes_and_verdict():
+    """The stress summary says what it means in words: a rate in a unit that shows it, which failures
+    the injected faults were meant to cause, and the verdict with what failed (no colour needed)."""
+    from kvxfer.tools.stress.report import outcome_text, rate_text, verdict_text
+
+    assert rate_text(38_465.0) == "38.5 kB/s" and rate_text(5.3e6) == "5.3 MB/s" and rate_text(1.2345e9) == "1.234 GB/s"
+    assert rate_text(0.0) == "0 B/s"
+    s = {"requests": 200, "completed": 152, "failed_as_injected": {"flip_byte": 12, "kill_sender": 29},
+         "failed_unexpectedly": 0, "unexpected_failure_reasons": {}, "aborted_as_injected": {"abort_mid_transfer": 3},
+         "aborted_unexpectedly": 0, "rejected_as_injected": {"oversized": 4}, "rejected_unexpectedly": 0}
+    assert outcome_text(s) == ("200 requests: 152 completed; 41 failed as injected faults intended (flip_byte: 12, "
+                               "kill_sender: 29); 0 failed unexpectedly; 3 aborted as injected "
+                               "(abort_mid_transfer: 3); 4 rejected at admission as injected (oversized: 4).")
+    s.update(failed_unexpectedly=2, unexpected_failure_reasons={"wait_timeout": 2})
+    assert "; 2 failed unexpectedly (wait_timeout: 2);" in outcome_text(s)
+    clean = {"leaked_pages": 0, "corrupted_pages": 0, "lost_pages": 0, "rejected_succeeded": 0,
+             "accounting_errors": [], "settled": True}
+    assert verdict_text(clean).startswith("PASS: ")
+    assert verdict_text({**clean, "lost_pages": 3, "settled": False}) == \
+        "FAIL: 3 lost pages; requests still active at the end"
 
 
 def test_workload_rates_and_validation():

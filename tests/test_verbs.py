@@ -18,11 +18,11 @@ from kvxfer.errors import NotReadable
 from kvxfer.transport import verbs
 from kvxfer.wire import messages as m
 
-from .conftest import PAGE_TOKENS, wait_for
+from .conftest import PAGE_TOKENS, verbs_skip_reason, wait_for
 
 R, S = ReceiverState, SenderState
-_ok, _why = verbs.available()
-pytestmark = [pytest.mark.verbs, pytest.mark.skipif(not _ok, reason=f"no verbs device: {_why}")]
+_why = verbs_skip_reason()
+pytestmark = [pytest.mark.verbs, pytest.mark.skipif(_why is not None, reason=_why or "")]
 
 VERBS = {"transport": "verbs", "peer_timeout": 60.0}
 

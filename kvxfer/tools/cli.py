@@ -23,6 +23,27 @@ from typing import Any
 _ANY_CONTEXT = 1
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already says it or there is none
+    to show (a flag that is off, an option that is unset unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "%(default)" in text or "default" in text.lower()
+                or default is None or default is False or default is argparse.SUPPRESS or default == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """``kvxfer``'s parsers and subparsers: every option's help shows its default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -51,7 +72,7 @@ def _stress(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvxfer",
         description="KV-cache transfer engine for disaggregated LLM serving: tagged one-sided writes, "
         "admission that rejects, verified completion, deferred release.",
@@ -60,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the scripted prefill/decode session on loopback (the main job)")
-    demo.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
+    demo.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON (default: not written)")
     _transport_flags(demo)
     demo.add_argument("--verbose", "-v", action="store_true", help="show the engines' logs")
     demo.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                      help="serve Prometheus metrics: decode on P, prefill on P+1")
+                      help="serve Prometheus metrics: decode on P, prefill on P+1 (default: not served)")
     demo.add_argument("--linger", type=float, default=0.0, metavar="S",
                       help="keep the engines and their metrics endpoints up S seconds after the session")
     demo.set_defaults(func=_demo)
@@ -72,44 +93,51 @@ def build_parser() -> argparse.ArgumentParser:
     stress = sub.add_parser("stress", help="transfer stress and chaos run judged by a content oracle")
     _transport_flags(stress)
     stress.add_argument("--requests", type=int, default=None, help="requests to run (default 200 without --duration)")
-    stress.add_argument("--duration", type=float, default=None, help="stop starting requests after S seconds")
-    stress.add_argument("--concurrency", type=int, default=16)
+    stress.add_argument("--duration", type=float, default=None, metavar="S",
+                        help="stop starting requests after S seconds (default: no time limit; with --requests, "
+                        "whichever comes first)")
+    stress.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     stress.add_argument("--median-tokens", type=int, default=1500, help="median of the log-normal prompt length")
     stress.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the prompt length")
     stress.add_argument("--page-size", type=int, default=16, help="tokens per page")
     stress.add_argument("--layers", type=int, default=2, help="layers (two buffers each: K and V)")
     stress.add_argument("--item-len", type=int, default=1024, help="bytes per page per buffer")
-    stress.add_argument("--prefill-pages", type=int, default=2048)
-    stress.add_argument("--decode-pages", type=int, default=8192)
+    stress.add_argument("--prefill-pages", type=int, default=2048, help="pages in the prefill (writer) pool")
+    stress.add_argument("--decode-pages", type=int, default=8192, help="pages in the decode (reader) pool")
     stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")
-    stress.add_argument("--alloc-policy", default="lifo", choices=["lifo", "fifo", "random"])
-    stress.add_argument("--free-policy", default="keep", choices=["keep", "zero", "poison"])
+    stress.add_argument("--alloc-policy", default="lifo", choices=["lifo", "fifo", "random"],
+                        help="which free pages the pools hand out first")
+    stress.add_argument("--free-policy", default="keep", choices=["keep", "zero", "poison"],
+                        help="what a freed page holds: its old bytes, zeros or a poison pattern")
     stress.add_argument("--max-chunks", type=int, default=4, help="chunks per request, chosen 1..N")
-    stress.add_argument("--seed", type=int, default=0)
+    stress.add_argument("--seed", type=int, default=0, help="seed of the workload, its faults and page contents")
     stress.add_argument("--all-faults", type=float, default=0.0, metavar="RATE",
                         help="enable every fault type at RATE (0..1)")
     stress.add_argument("--fault", action="append", metavar="NAME=RATE",
-                        help="set one fault's rate; names: " + ", ".join(_fault_names()))
+                        help="set one fault's rate (repeatable; default: none); names: " + ", ".join(_fault_names()))
     stress.add_argument("--unsafe-legacy", action="store_true",
                         help="negative control: the incident's behaviour (no rejection, no verification, "
                         "immediate free); the oracle must report leaks")
-    stress.add_argument("--json", metavar="PATH", help="write the summary as JSON")
-    stress.add_argument("--report", metavar="PATH.png", help="draw throughput over time and latencies")
-    stress.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    stress.add_argument("--json", metavar="PATH", help="write the summary as JSON (default: not written)")
+    stress.add_argument("--report", metavar="PATH.png",
+                        help="draw throughput over time and latencies (default: not drawn)")
+    stress.add_argument("--no-progress", action="store_true",
+                        help="no live progress bar (default: a bar when stdout is a terminal)")
     stress.set_defaults(func=_stress)
 
     bench = sub.add_parser("bench", help="throughput against raw sockets / ib_write_bw and the peers, as ratios")
     _transport_flags(bench)
     bench.add_argument("--total", help="bytes per case (default 1G on tcp and shm, 64M on verbs); K/M/G suffixes")
     bench.add_argument("--total-small", help="bytes for pages under 16 KiB (default: --total)")
-    bench.add_argument("--page-bytes", action="append", help="page size (repeatable; default 64K and 4K)")
+    bench.add_argument("--page-bytes", action="append", help="page size, K/M suffixes (repeatable; default 64K and 4K)")
     bench.add_argument("--request-bytes", default="64M", help="bytes per request (default 64M)")
     bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     bench.add_argument("--repeat", type=int, default=5, help="repetitions per case; the median is reported")
-    bench.add_argument("--checks", default="both", choices=["on", "off", "both"])
+    bench.add_argument("--checks", default="both", choices=["on", "off", "both"],
+                       help="kvxfer with its checksums on, off, or both as two cases")
     bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
                        "scattered-memcpy (default: those that apply to the transport)")
-    bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON")
+    bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 
     audit = sub.add_parser("audit", help="deployment audits: capacity band, leak probe")
@@ -123,21 +151,22 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write DIR/NAME/ for every NAME: its key pair (self.key_secret, mode 0600) "
                                         "and the public keys of all the NAMEs (trusted/). Give each engine its "
                                         "directory as EngineConfig(keyring=...) or KVXFER_KEYRING.")
-    keygen.add_argument("directory")
+    keygen.add_argument("directory", help="where to write one keyring folder per NAME (created if missing)")
     keygen.add_argument("names", nargs="+", metavar="NAME", help="engine or node names, e.g. prefill0 decode0")
     keygen.add_argument("--force", action="store_true", help="replace existing keyrings of these names")
     keygen.set_defaults(func=_keygen)
 
     toy = sub.add_parser("serve-toy", help="a toy HTTP model on kvxfer engines to probe (safe or --unsafe-legacy)")
-    toy.add_argument("--host", default="127.0.0.1")
-    toy.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    toy.add_argument("--page-size", type=int, default=16)
-    toy.add_argument("--prefill-pages", type=int, default=256)
-    toy.add_argument("--decode-pages", type=int, default=2048)
+    toy.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on")
+    toy.add_argument("--port", type=int, default=30000, help="port to serve HTTP on; 0 picks a free port")
+    toy.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    toy.add_argument("--prefill-pages", type=int, default=256, help="pages in the prefill pool")
+    toy.add_argument("--decode-pages", type=int, default=2048, help="pages in the decode pool")
     toy.add_argument("--context", type=int, default=32768, help="advertised context length (tokens)")
     toy.add_argument("--token-cost-us", type=float, default=50.0, help="simulated prefill time per token")
     toy.add_argument("--unsafe-legacy", action="store_true", help="reproduce the incident (placeholder prefill)")
-    toy.add_argument("--max-seconds", type=float, default=None, help="stop serving after this long")
+    toy.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                     help="stop serving after S seconds (default: serve until stopped)")
     toy.set_defaults(func=_serve_toy)
 
     simulate = sub.add_parser("simulate", help="exposure simulation of the incident path over the real page ledger")
@@ -231,6 +260,9 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
              if value is not None}
     if verbs:
         overrides["transport_options"] = {"verbs": verbs}
+    # only the transport settings are taken: the engines these commands start bind loopback (or run
+    # authenticated), so a KVXFER_HOST meant for a deployment does not stop them
+    overrides.setdefault("host", "127.0.0.1")
     config = EngineConfig.from_env(max_context=_ANY_CONTEXT, **overrides)
     return {"transport": config.transport, "transport_options": config.to_dict()["transport_options"]}
 

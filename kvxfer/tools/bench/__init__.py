@@ -5,7 +5,8 @@ processes, destination pages allocated at random so they are scattered across th
 ``--repeat`` times; the table reports the median and the spread. Baselines are cases of their own:
 ``ib_write_bw`` on the same device for verbs; the plain two-process socket stream and, when
 installed, Mooncake's and NIXL's TCP paths for tcp; a single-threaded scattered memcpy of the same
-pages for shm (:mod:`.baselines`). Speed targets are judged on
+pages for shm (:mod:`.baselines`). A baseline that is not installed gets one line saying what to
+install, no row and no ratio, and is listed under ``skipped`` in the JSON. Speed targets are judged on
 the printed ratios, never by timed unit tests.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);
@@ -21,17 +22,32 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .cases import BenchConfig, CaseResult, KvxferSession, PeerSession, Session
+from .cases import BenchConfig, CaseResult, KvxferSession, PeerSession, Session, Unavailable
 
 
-def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any) -> list[Session]:
+def missing_baselines(config: BenchConfig) -> dict[str, str]:
+    """The baselines that apply to the transport but are not installed here: name -> "not installed (...)"."""
+    from . import baselines
+
+    out = {}
+    for name in config.baselines:
+        runner = baselines.RUNNERS.get(name)
+        if runner is not None and config.transport in runner.transports:
+            reason = runner.missing()
+            if reason:
+                out[name] = reason
+    return out
+
+
+def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
+                 skip: dict[str, str] | None = None) -> list[Session]:
     from . import baselines
 
     checks = ["on", "off"] if config.checks == "both" else [config.checks]
     out: list[Session] = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
     for name in config.baselines:
         runner = baselines.RUNNERS.get(name)
-        if runner is not None and config.transport in runner.transports:
+        if runner is not None and config.transport in runner.transports and name not in (skip or {}):
             out.append(runner.session(config, page_bytes))
     return out
 
@@ -46,12 +62,13 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
 
     console = Console()
     results: list[CaseResult] = []
+    skipped = missing_baselines(config)
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as node_log:
         for page_bytes in config.page_sizes:
-            sessions = sessions_for(config, page_bytes, node_log)
+            sessions = sessions_for(config, page_bytes, node_log, skipped)
             try:
-                _run_rounds(config, page_bytes, sessions, results, console)
+                _run_rounds(config, page_bytes, sessions, results, console, skipped)
             except BaseException:  # a stop signal: close whatever was started, fast
                 for session in sessions:
                     session.close(measure=False)
@@ -66,34 +83,47 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
         table.add_column(column, overflow="fold")
     for r in results:
         low, high = r.spread()
-        note = r.error or ("" if "decode_rss_growth_of_moved" not in r.extra else
-                           f"rss +{100 * r.extra['decode_rss_growth_of_moved']:.1f}% of moved")
+        if r.error or not r.seconds:  # no measurement: no number that could pass for one
+            table.add_row(r.transport, f"{r.page_bytes:,}", r.checks, "-", "-", "-",
+                          f"FAILED: {r.error or 'no round completed'}")
+            continue
+        note = "" if "decode_rss_growth_of_moved" not in r.extra else \
+            f"rss +{100 * r.extra['decode_rss_growth_of_moved']:.1f}% of moved"
         table.add_row(r.transport, f"{r.page_bytes:,}", r.checks, f"{r.gbps:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{r.pages_per_s:,.0f}", note)
     console.print(table)
+    for name, reason in skipped.items():
+        console.print(f"{name}: skipped, {reason}", markup=False, highlight=False, soft_wrap=True)
     ratios = compute_ratios(results)
     for line in ratios:
-        console.print(line["text"])
+        console.print(line["text"], soft_wrap=True)  # one line each, whatever the width
     console.print(f"bench took {time.monotonic() - started:.1f} s")
     if json_path:
         Path(json_path).write_text(json.dumps({
             "config": asdict(config),
             "cases": [r.to_dict() for r in results],
             "ratios": ratios,
+            "skipped": [{"case": name, "reason": reason} for name, reason in skipped.items()],
         }, indent=2) + "\n")
     return 1 if any(r.error and r.transport.startswith("kvxfer") for r in results) else 0
 
 
 def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], results: list[CaseResult],
-                console: Any) -> None:
-    """Start the sessions of one page size, run the interleaved rounds, close them."""
+                console: Any, skipped: dict[str, str] | None = None) -> None:
+    """Start the sessions of one page size, run the interleaved rounds, close them. A contestant that
+    turns out not to be installed (:class:`Unavailable`) goes to ``skipped`` instead of ``results``."""
     live: list[Session] = []
     for session in sessions:
-        results.append(session.result)
         try:
             session.start()
+            results.append(session.result)
             live.append(session)
+        except Unavailable as exc:
+            session.close()
+            if skipped is not None:
+                skipped[session.result.transport] = str(exc)
         except Exception as exc:
+            results.append(session.result)
             session.result.error = f"{type(exc).__name__}: {exc}"
             session.close()
     console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + ('' if s.result.checks == 'off' or not s.result.transport.startswith('kvxfer') else ' (checks on)') for s in live)}; {config.repeat} rounds")
@@ -142,4 +172,4 @@ def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["BenchConfig", "CaseResult", "KvxferSession", "PeerSession", "Session", "run_bench"]
+__all__ = ["BenchConfig", "CaseResult", "KvxferSession", "PeerSession", "Session", "Unavailable", "run_bench"]

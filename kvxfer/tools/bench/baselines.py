@@ -3,13 +3,15 @@
 Each runner moves the same bytes the same way as far as its tool allows and returns a
 :class:`~kvxfer.tools.bench.cases.CaseResult` named by its ``transport`` field (``ib_write_bw``,
 ``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``). A runner whose tool is not
-installed returns a result carrying the reason, so the table says what was skipped and why.
+installed is skipped before anything starts: :meth:`Runner.missing` names what to install, and the
+bench prints that in one line and records it under ``skipped`` in its JSON, with no row or ratio.
 ``ib_write_bw`` runs under :func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
 ``scattered-memcpy`` (the shm transport's yardstick) runs in the bench process itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procs
-from .cases import BenchConfig, CaseResult, PeerSession, Session, _geometry
+from .cases import BenchConfig, CaseResult, PeerSession, Session, Unavailable, _geometry
 
 
 @dataclass
@@ -29,9 +31,20 @@ class Runner:
     name: str
     transports: tuple[str, ...]
     session_cls: Any
+    module: str = ""   # a Python package it needs (found without importing it)
+    binary: str = ""   # or a program it needs on PATH
+    install: str = ""  # how to get it
 
     def session(self, config: BenchConfig, page_bytes: int) -> Any:
         return self.session_cls(self.name, config, page_bytes)
+
+    def missing(self) -> str | None:
+        """Why this runner cannot run here, as "not installed (<how to install>)", or None."""
+        if self.module and importlib.util.find_spec(self.module) is None:
+            return f"not installed ({self.install})"
+        if self.binary and shutil.which(self.binary) is None:
+            return f"not installed ({self.install})"
+        return None
 
 
 class IbWriteBwSession(Session):
@@ -48,7 +61,7 @@ class IbWriteBwSession(Session):
     def start(self) -> None:
         self.binary = shutil.which("ib_write_bw")
         if self.binary is None:
-            raise RuntimeError("ib_write_bw not installed (apt-get install perftest)")
+            raise Unavailable("not installed (apt-get install perftest)")
         self.result.extra["tool"] = "perftest ib_write_bw"
 
     def run_once(self) -> float:
@@ -146,8 +159,11 @@ def _parse_perftest(text: str) -> float | None:
 
 RUNNERS: dict[str, Runner] = {
     "raw-socket": Runner("raw-socket", ("tcp",), PeerSession),
-    "mooncake-tcp": Runner("mooncake-tcp", ("tcp",), PeerSession),
-    "nixl-ucx-tcp": Runner("nixl-ucx-tcp", ("tcp",), PeerSession),
-    "ib_write_bw": Runner("ib_write_bw", ("verbs",), IbWriteBwSession),
+    "mooncake-tcp": Runner("mooncake-tcp", ("tcp",), PeerSession, module="mooncake",
+                           install="pip install mooncake-transfer-engine-non-cuda"),
+    "nixl-ucx-tcp": Runner("nixl-ucx-tcp", ("tcp",), PeerSession, module="nixl_cu12",
+                           install="pip install --no-deps nixl-cu12"),
+    "ib_write_bw": Runner("ib_write_bw", ("verbs",), IbWriteBwSession, binary="ib_write_bw",
+                          install="apt-get install perftest"),
     "scattered-memcpy": Runner("scattered-memcpy", ("shm",), ScatteredMemcpySession),
 }

@@ -17,6 +17,11 @@ from .. import procs
 from ..node import NodeSpec, spawn
 
 
+class Unavailable(RuntimeError):
+    """A contestant cannot run on this machine (its tool is not installed); the message says what
+    to install. The bench skips it with that one line instead of reporting a failed case."""
+
+
 @dataclass
 class BenchConfig:
     """What one ``kvxfer bench`` run measures: transport, bytes per case, page sizes, requests, rounds, baselines."""
@@ -196,6 +201,8 @@ class PeerSession(Session):
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self.procs.append(proc)
         info = self._read(proc) or {"error": f"{role} exited with {proc.wait()}"}
+        if "unavailable" in info:
+            raise Unavailable(info["unavailable"])
         if "error" in info:
             raise RuntimeError(info["error"])
         return proc, info

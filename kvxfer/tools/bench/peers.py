@@ -13,7 +13,8 @@ stdin/stdout, one JSON object per line:
 Run: ``python -m kvxfer.tools.bench.peers PEER ROLE PAGES PAGE_BYTES POOL_PAGES [TARGET_JSON]``.
 Mooncake (``mooncake-transfer-engine-non-cuda``) and NIXL (``nixl-cu12 --no-deps``, with
 ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` and its initiator progress thread off, the best setting
-measured here) are optional; a missing one exits with a one-line reason. A peer process never
+measured here) are optional; a missing one exits with a one-line reason (``unavailable``: what to
+install), which the bench reports as a skipped contestant. A peer process never
 outlives the bench that started it (:func:`kvxfer.tools.procs.adopt`).
 """
 
@@ -113,7 +114,8 @@ def _mooncake() -> Any:
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
-        _say({"error": f"mooncake not installed (pip install mooncake-transfer-engine-non-cuda): {exc}"})
+        _say({"error": f"mooncake not installed: {exc}",
+              "unavailable": "not installed (pip install mooncake-transfer-engine-non-cuda)"})
         sys.exit(3)
     engine = TransferEngine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
@@ -158,7 +160,7 @@ def _nixl(name: str, *, progress_thread: bool) -> Any:
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
-        _say({"error": f"NIXL not installed (pip install --no-deps nixl-cu12): {exc}"})
+        _say({"error": f"NIXL not installed: {exc}", "unavailable": "not installed (pip install --no-deps nixl-cu12)"})
         sys.exit(3)
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 

@@ -23,7 +23,7 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .report import summary_table, write_json, write_png
+    from .report import outcome_text, summary_table, verdict_text, write_json, write_png
 
     console = Console()
     show = sys.stdout.isatty() if progress is None else progress
@@ -41,7 +41,7 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
             return
         done = sum(result.outcomes.values())
         status = (f"live {in_flight} leak {result.leaked_pages} corrupt {result.corrupted_pages} "
-                  f"fail {result.outcomes['failed']}")
+                  f"fail {result.outcomes['failed']} ({result.unexpectedly('failed')} unexpectedly)")
         bar.update(task, completed=done, status=status)
 
     with tempfile.TemporaryFile("w+") as node_log:
@@ -52,10 +52,11 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
             if bar is not None:
                 bar.stop()
     console.print(summary_table(result))
+    summary = result.summary()
+    console.print(outcome_text(summary), markup=False, highlight=False)
     if json_path:
         write_json(result, json_path)
     if report_path:
         write_png(result, report_path)
-    verdict = "no leaked, corrupted or lost pages" if result.ok else "FAILED: see the red rows"
-    console.print(f"[{'green' if result.ok else 'red'}]{verdict}[/]")
+    console.print(verdict_text(summary), style="green" if result.ok else "red", markup=False, highlight=False)
     return 0 if result.ok else 1

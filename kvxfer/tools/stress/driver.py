@@ -59,6 +59,8 @@ class Live:
     expect: str = ""
     outcome: str = ""
     detail: str = ""
+    fired: str = ""  # the request-level fault of its plan, once it has been injected
+    collateral: str = ""  # an injected fault aimed at another request that takes this one down too (kill_sender)
 
 
 @dataclass
@@ -85,6 +87,9 @@ class StressResult:
     settled: bool = True
     kills: int = 0
     leak_sources: set = field(default_factory=set)
+    # (outcome, cause): cause is the injected fault the outcome was meant to come from, "" if none was
+    causes: Counter = field(default_factory=Counter)
+    unexpected_failures: Counter = field(default_factory=Counter)
 
     # the verdict -----------------------------------------------------------------------------
     @property
@@ -107,6 +112,9 @@ class StressResult:
 
     @property
     def bytes_moved(self) -> int:
+        """Bytes landed in the decode's pages: its write guard's ``landed_bytes``, which counts every
+        accepted write on tcp and shm and, on verbs (where the receiver cannot see writes land), the
+        writes that DONE's write log declared and the guard accepted."""
         return int(self.samples[-1][1]) if self.samples else 0
 
     @property
@@ -123,6 +131,19 @@ class StressResult:
     def latency(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
 
+    def as_injected(self, outcome: str) -> dict[str, int]:
+        """Requests that ended in ``outcome`` because an injected fault was meant to end them so, by fault."""
+        return {cause: n for (out, cause), n in sorted(self.causes.items()) if out == outcome and cause and n}
+
+    def unexpectedly(self, outcome: str) -> int:
+        """Requests that ended in ``outcome`` with no injected fault to explain it."""
+        return int(self.causes.get((outcome, ""), 0))
+
+    @property
+    def throughput(self) -> float:
+        """Bytes landed at the decode per second of the run (see :attr:`bytes_moved`)."""
+        return self.bytes_moved / self.elapsed if self.elapsed > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
         writes = self.decode_stats.get("writes", {}).get("refused_by_reason", {})
         requests = sum(self.outcomes.values())
@@ -135,6 +156,15 @@ class StressResult:
             "aborted": self.outcomes["aborted"],
             "failed": self.outcomes["failed"],
             "failure_reasons": dict(self.failures),
+            # why requests did not complete, split into what the injected faults were meant to do
+            # (by fault) and what nothing injected explains
+            "failed_as_injected": self.as_injected("failed"),
+            "failed_unexpectedly": self.unexpectedly("failed"),
+            "unexpected_failure_reasons": dict(self.unexpected_failures),
+            "aborted_as_injected": self.as_injected("aborted"),
+            "aborted_unexpectedly": self.unexpectedly("aborted"),
+            "rejected_as_injected": self.as_injected("rejected"),
+            "rejected_unexpectedly": self.unexpectedly("rejected"),
             "faults": {name: int(self.faults.get(name, 0)) for name in ALL_FAULTS},
             "faults_planned": {name: int(self.planned.get(name, 0)) for name in ALL_FAULTS},
             "sender_kills": self.kills,
@@ -156,7 +186,9 @@ class StressResult:
             "settled": self.settled,
             "bytes_moved": self.bytes_moved,
             "seconds": round(self.elapsed, 3),
-            "throughput_gbps": round(self.bytes_moved / self.elapsed / 1e9, 4) if self.elapsed else 0.0,
+            # six significant digits: a slow run (soft-RoCE under emulation) moves kB/s, not 0
+            "throughput_gbps": float(f"{self.throughput / 1e9:.6g}"),
+            "throughput_bytes_per_s": round(self.throughput, 1),
             "latency_ms": {"p50": round(self.latency(50), 3), "p99": round(self.latency(99), 3)},
             "ok": self.ok,
         }
@@ -240,6 +272,7 @@ class StressDriver:
         for live in self.live.values():
             if live.instance != dead or live.phase in (Phase.END, Phase.ADMIT_PREFILL):
                 continue
+            live.collateral = "kill_sender"
             if live.decode_admitted:
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "failed"
@@ -294,18 +327,49 @@ class StressDriver:
             for fault in plan.faults:
                 self.result.planned[fault] += 1
             if "oversized" in plan.faults:
-                self.result.faults["oversized"] += 1
+                self._fired(live, "oversized")
             if plan.faults & {"abort_before_bootstrap"} and plan.decode_first:
                 live.phase = Phase.ADMIT_DECODE
             self.live[plan.rid] = live
+
+    def _fired(self, live: Live, fault: str) -> None:
+        self.result.faults[fault] += 1
+        live.fired = fault
 
     def _finish(self, live: Live, outcome: str, detail: str = "") -> None:
         live.phase = Phase.END
         live.outcome = outcome
         live.detail = detail
         self.result.outcomes[outcome] += 1
+        reason = detail.split(":")[0][:60] or "failed"
         if outcome == "failed":
-            self.result.failures[detail.split(":")[0][:60] or "failed"] += 1
+            self.result.failures[reason] += 1
+        if outcome != "completed":
+            cause = self._cause(live, outcome, reason)
+            self.result.causes[(outcome, cause)] += 1
+            if outcome == "failed" and not cause:
+                self.result.unexpected_failures[reason] += 1
+
+    # What each injected fault is meant to do to the request it hits (link faults hit frames, not
+    # requests: a flipped byte shows up as the decode's checksum check failing).
+    _INTENDED = {
+        "abort_before_bootstrap": ("aborted", "failed"),
+        "abort_mid_transfer": ("aborted", "failed"),
+        "abort_after_done": ("aborted", "failed"),
+        "client_disconnect": ("aborted", "failed"),
+        "oversized": ("rejected",),
+        "kill_sender": ("failed", "aborted"),
+    }
+
+    def _cause(self, live: Live, outcome: str, reason: str) -> str:
+        """The injected fault that ``outcome`` was meant to come from, or "" when none explains it."""
+        if live.collateral:
+            return live.collateral
+        if live.fired and outcome in self._INTENDED[live.fired]:
+            return live.fired
+        if outcome == "failed" and reason == "checksum" and self.config.faults.get("flip_byte"):
+            return "flip_byte"
+        return ""
 
     # one step of one request ---------------------------------------------------------------------------
     def _act(self, live: Live, now: float) -> None:
@@ -318,12 +382,12 @@ class StressDriver:
                 live.prefill_admitted = True
                 live.instance = self.instance
                 if "abort_before_bootstrap" in plan.faults:
-                    self.result.faults["abort_before_bootstrap"] += 1
+                    self._fired(live, "abort_before_bootstrap")
                     self.prefill.abort(rid=rid, reason="aborted before bootstrap")
                     self._finish(live, "aborted")
                     return
                 if "client_disconnect" in plan.faults and plan.disconnect_at == 0:
-                    self.result.faults["client_disconnect"] += 1
+                    self._fired(live, "client_disconnect")
                     self.prefill.abort(rid=rid, reason="client disconnected")
                     self._finish(live, "aborted")
                     return
@@ -333,13 +397,13 @@ class StressDriver:
                 live.decode_admitted = True
                 live.pages = info["pages"]
                 if "abort_before_bootstrap" in plan.faults:  # decode-first variant
-                    self.result.faults["abort_before_bootstrap"] += 1
+                    self._fired(live, "abort_before_bootstrap")
                     self.decode.abort(rid=rid, reason="aborted before bootstrap")
                     live.phase = Phase.WAIT_DECODE_END
                     live.expect = "aborted"
                     return
                 if "client_disconnect" in plan.faults and plan.disconnect_at == 1:
-                    self.result.faults["client_disconnect"] += 1
+                    self._fired(live, "client_disconnect")
                     self.decode.abort(rid=rid, reason="client disconnected")
                     self.prefill.abort(rid=rid, reason="client disconnected")
                     live.phase = Phase.WAIT_DECODE_END
@@ -398,20 +462,20 @@ class StressDriver:
         last = live.sent_chunks * per >= live.pages or info["state"] in ("DONE_SENT", "SUCCEEDED")
         if live.sent_chunks == 1 and not last:
             if "abort_mid_transfer" in plan.faults:
-                self.result.faults["abort_mid_transfer"] += 1
+                self._fired(live, "abort_mid_transfer")
                 self.decode.abort(rid=rid, reason="aborted mid-transfer")
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "aborted"
                 return
             if "client_disconnect" in plan.faults:
-                self.result.faults["client_disconnect"] += 1
+                self._fired(live, "client_disconnect")
                 self.decode.abort(rid=rid, reason="client disconnected")
                 self.prefill.abort(rid=rid, reason="client disconnected")
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "aborted"
                 return
             if "kill_sender" in plan.faults:
-                self.result.faults["kill_sender"] += 1
+                self._fired(live, "kill_sender")
                 self._kill_prefill()
                 return
         if last:
@@ -452,7 +516,7 @@ class StressDriver:
             if state == "READABLE":
                 if live.phase is Phase.WAIT_DECODE_END or "abort_after_done" in live.plan.faults:
                     if live.phase is Phase.WAIT_DONE:
-                        self.result.faults["abort_after_done"] += 1
+                        self._fired(live, "abort_after_done")
                     self.decode.abort(rid=live.plan.rid, reason="aborted after DONE, before read")
                     if live.phase is Phase.WAIT_DONE:
                         live.expect = "aborted"

@@ -9,6 +9,60 @@ from typing import Any
 from .driver import StressResult
 
 
+def rate_text(bytes_per_s: float) -> str:
+    """A rate in the unit that shows it: 1.234 GB/s, 56.7 MB/s, 38.5 kB/s (never a bare 0.000 GB/s)."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.{3 if unit == 'GB/s' else 1}f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
+def _by_fault(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name}: {n}" for name, n in counts.items())
+
+
+def outcome_text(s: dict[str, Any]) -> str:
+    """What became of the requests, in words: which endings the injected faults were meant to cause
+    and which nothing injected explains, e.g. "152 completed; 41 failed as injected faults intended
+    (flip_byte: 12, kill_sender: 29); 0 failed unexpectedly; ..."."""
+
+    def part(count: int, what: str, causes: dict[str, int]) -> str:
+        return f"{count} {what}" + (f" ({_by_fault(causes)})" if causes else "")
+
+    parts = [f"{s['completed']} completed",
+             part(sum(s["failed_as_injected"].values()), "failed as injected faults intended", s["failed_as_injected"]),
+             f"{s['failed_unexpectedly']} failed unexpectedly"
+             + (f" ({_by_fault(s['unexpected_failure_reasons'])})" if s["failed_unexpectedly"] else "")]
+    aborted = sum(s["aborted_as_injected"].values())
+    if aborted or s["aborted_unexpectedly"]:
+        parts.append(part(aborted, "aborted as injected", s["aborted_as_injected"]))
+    if s["aborted_unexpectedly"]:
+        parts.append(f"{s['aborted_unexpectedly']} aborted unexpectedly")
+    rejected = sum(s["rejected_as_injected"].values())
+    if rejected or s["rejected_unexpectedly"]:
+        parts.append(part(rejected, "rejected at admission as injected", s["rejected_as_injected"]))
+    if s["rejected_unexpectedly"]:
+        parts.append(f"{s['rejected_unexpectedly']} rejected unexpectedly")
+    return f"{s['requests']} requests: " + "; ".join(parts) + "."
+
+
+def verdict_text(s: dict[str, Any]) -> str:
+    """PASS, or FAIL naming each check that failed and by how much (words, not colour)."""
+    problems = [f"{s[key]:,} {what}" for key, what in (
+        ("leaked_pages", "leaked pages (other requests' bytes)"),
+        ("corrupted_pages", "corrupted pages"),
+        ("lost_pages", "lost pages"),
+        ("rejected_succeeded", "rejected requests that succeeded"),
+    ) if s[key]]
+    if s["accounting_errors"]:
+        problems.append(f"{len(s['accounting_errors'])} accounting violations")
+    if not s["settled"]:
+        problems.append("requests still active at the end")
+    if not problems:
+        return "PASS: no leaked, corrupted or lost pages; no rejected request succeeded; accounting clean"
+    return "FAIL: " + "; ".join(problems)
+
+
 def summary_table(result: StressResult) -> Any:
     from rich.table import Table
 
@@ -17,15 +71,28 @@ def summary_table(result: StressResult) -> Any:
     table.add_column("measure")
     table.add_column("value", justify="right")
 
-    def bad(value: int) -> str:
-        return f"[red]{value}[/red]" if value else f"[green]{value}[/green]"
+    def bad(value: int) -> str:  # the word carries the verdict; colour only repeats it
+        return f"[red]{value} FAIL[/red]" if value else f"[green]{value}[/green]"
+
+    def by_fault(count: int, causes: dict[str, int]) -> str:
+        return f"{count} ({_by_fault(causes)})" if causes else str(count)
 
     rows = [
         ("requests", s["requests"]),
         ("completed (read back, checked)", s["completed"]),
-        ("rejected at admission", s["rejected"]),
-        ("aborted", s["aborted"]),
-        ("failed", f"{s['failed']} {s['failure_reasons'] or ''}"),
+        ("failed, as injected faults intended", by_fault(sum(s["failed_as_injected"].values()),
+                                                         s["failed_as_injected"])),
+        ("failed unexpectedly (no injected fault explains it)",
+         by_fault(s["failed_unexpectedly"], s["unexpected_failure_reasons"])),
+        ("aborted, as injected", by_fault(sum(s["aborted_as_injected"].values()), s["aborted_as_injected"])),
+        ("rejected at admission, as injected", by_fault(sum(s["rejected_as_injected"].values()),
+                                                        s["rejected_as_injected"])),
+    ]
+    if s["aborted_unexpectedly"]:
+        rows.append(("aborted unexpectedly", s["aborted_unexpectedly"]))
+    if s["rejected_unexpectedly"]:
+        rows.append(("rejected unexpectedly", s["rejected_unexpectedly"]))
+    rows += [
         ("faults injected", ", ".join(f"{k}={v}" for k, v in s["faults"].items() if v) or "none"),
         ("pages checked by the oracle", s["pages_checked"]),
         ("leaked pages (other requests' bytes)", bad(s["leaked_pages"])),
@@ -37,8 +104,8 @@ def summary_table(result: StressResult) -> Any:
         ("accounting checks while running / violations",
          f"{s['accounting_checks_during_run']} / {bad(len(s['accounting_errors']))}"),
         ("decode pool free at end", f"{s['pool_free_at_end']} / {s['pool_total']}"),
-        ("bytes moved", f"{s['bytes_moved']:,}"),
-        ("throughput", f"{s['throughput_gbps']:.3f} GB/s over {s['seconds']:.1f} s"),
+        ("bytes landed at decode", f"{s['bytes_moved']:,}"),
+        ("throughput", f"{rate_text(result.throughput)} over {s['seconds']:.1f} s"),
         ("latency p50 / p99", f"{s['latency_ms']['p50']:.1f} / {s['latency_ms']['p99']:.1f} ms"),
     ]
     for name, value in rows:

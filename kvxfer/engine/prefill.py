@@ -301,12 +301,16 @@ class PrefillEngine(EngineBase):
     def _close_stuck(self, link: SenderLink, why: str) -> None:
         """A request failed for want of RESULT while its writes were still not taken: close the link
         (its writes complete as failed, its sources are freed); the decode offers the next one."""
+        tell = None
         with self.lock:
             for peer in self.peers.values():
                 if peer.link is link:
                     peer.link = None
+                    tell = peer.engine
         self._event("link_closed", counter="stuck_links_closed", conn=str(link.conn_id), why=why[:500])
         self._retire(link, why)
+        if tell is not None:  # the decode fences its half and offers anew (verbs cannot see the close)
+            self._send_to_peer(tell, m.Fenced(epoch=link.epoch, reason=why[:4000]))
 
     def _heartbeat(self) -> None:
         self._hb_seq += 1

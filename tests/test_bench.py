@@ -32,6 +32,11 @@ def test_bench_reports_cases_and_ratios(tmp_path):
             assert case["gbps"] > 0 and case["pages_per_s"] > 0 and case["seconds"] > 0 and case["bytes"] > 0
             assert set(case) >= {"transport", "page_bytes", "bytes", "seconds", "gbps", "pages_per_s", "checks"}
         assert cases[("kvxfer-tcp", page, "on")]["decode_rss_growth_of_moved"] < 0.5
+        for checks in ("on", "off"):  # per-request latency, admission to READABLE, over the counted rounds
+            case = cases[("kvxfer-tcp", page, checks)]
+            assert case["latency_from"] == "admit-to-READABLE" and case["request_bytes"] == 4 << 20
+            assert 0 < case["latency_p50_s"] <= case["latency_p99_s"] and case["latency_requests"] >= 2
+            assert f"checks {checks}: per-request latency (admit to READABLE, 4 MiB requests) p50" in proc.stdout
     against = {(r["page_bytes"], r["against"]) for r in report["ratios"]}
     assert (65536, "raw-socket") in against and (4096, "kvxfer-tcp checks off") in against
     assert all(r["rounds"] == 2 for r in report["ratios"])

@@ -224,7 +224,9 @@ class PageLedger:
         pages = _as_pages(pages)
         in_range = (pages >= 0) & (pages < self.num_pages)
         safe = np.where(in_range, pages, 0)
-        ok = np.isin(self.state[safe], np.array([int(s) for s in states], dtype=np.uint8))
+        allowed = np.zeros(256, dtype=bool)  # a lookup table: cheaper than np.isin per call
+        allowed[[int(s) for s in states]] = True
+        ok = allowed[self.state[safe]]
         ok &= self.generation[safe] == np.uint64(generation)
         return ok & in_range
 

@@ -254,23 +254,35 @@ class WriteGuard:
                 counts = lengths // items
             first = runs["offset"].astype(np.int64) // items
             pages = expand_runs(first, counts)
-            page_buffers = np.repeat(buffers, counts)
-            already = self.covered[page_buffers, pages]
-            window.duplicate_items += int(already.sum())
-            self.covered[page_buffers, pages] = True
+            # (buffer, page) as one index into the flattened (C-contiguous) arrays: cheaper than 2-D
+            # fancy indexing on this per-frame path
+            one_buffer = self.layout.num_buffers == 1
+            flat = pages if one_buffer else np.repeat(buffers, counts) * self.layout.num_pages + pages
+            covered = self._flat(self.covered)
+            window.duplicate_items += int(np.count_nonzero(covered[flat]))
+            covered[flat] = True
+            summed = self._flat(self.summed)
             if sums is not None and len(sums) == len(pages):
-                self.item_sum[page_buffers, pages] = sums
-                self.summed[page_buffers, pages] = True
+                self._flat(self.item_sum)[flat] = sums
+                summed[flat] = True
             else:
-                self.summed[page_buffers, pages] = False
-            touched = np.unique(pages)
-            full = self.covered[:, touched].all(axis=0)
-            self.ledger.mark_written(touched[full], window.gen)
+                summed[flat] = False
+            # a page is WRITTEN once covered in every buffer; with one buffer every page just recorded
+            # is (mark_written moves only this generation's RESERVED pages and ignores repeats)
+            full = pages if one_buffer else pages[self.covered[:, pages].all(axis=0)]
+            self.ledger.mark_written(full, window.gen)
             nbytes = int(lengths.sum())
             window.bytes_landed += nbytes
             window.writes_landed += len(runs)
             self.landed_bytes += nbytes
             self.landed_writes += len(runs)
+
+    @staticmethod
+    def _flat(array: np.ndarray) -> np.ndarray:
+        """A 1-D view of a (buffers, pages) array; writes through it land in ``array``."""
+        if not array.flags.c_contiguous:  # pragma: no cover - made C-contiguous; reshape would copy
+            raise AssertionError("write guard arrays must be C-contiguous")
+        return array.reshape(-1)
 
     # queries ------------------------------------------------------------------------------------
     def landed_checksum(self, pages: np.ndarray, algo: Any) -> int | None:

@@ -101,6 +101,7 @@ class ReceiveRequest:
     error: KvxferError | None = None
     aux: bytes = b""
     created: float = field(default_factory=time.monotonic)
+    readable_at: float | None = None  # time.monotonic() when it became READABLE (verified)
     finished: float | None = None
 
     @property
@@ -390,6 +391,7 @@ class Receiver:
             self.ledger.state[req.pages] = PageState.WRITTEN
         self.ledger.move(req.pages, req.gen, PageState.READABLE, allowed=(PageState.WRITTEN,))
         req.fsm.to(R.READABLE, "verified")
+        req.readable_at = time.monotonic()
         self.stats["completed"] += 1
         self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=True, reason="", detail=""))
         if req.abort_after_verify is not None:

@@ -7,7 +7,9 @@ The decode half admits requests (with random allocation, so destination pages ar
 its pool), waits until each is readable, and releases it; the prefill half admits the same requests,
 waits for their destinations and posts them. Each keeps up to ``concurrency`` requests in flight.
 The decode half's clock, from its first admission to its last readable request, is the measurement:
-every check (coverage, byte counts, checksum) has run by then.
+every check (coverage, byte counts, checksum) has run by then. Each request's latency is measured
+on the decode side from its admission to the moment it became READABLE (verified), not to when
+the loop noticed it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concur
     failed = 0
     nbytes = 0
     start = None
+    latencies: list[float] = []
 
     def finish_one() -> None:
         nonlocal failed, nbytes
@@ -40,6 +43,8 @@ def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concur
         req = engine.wait(rid, timeout=600)
         if req.state is ReceiverState.READABLE:
             nbytes += engine.layout.bytes_for_pages(len(req.pages))
+            if req.readable_at is not None:
+                latencies.append(req.readable_at - req.created)
             engine.release(rid)
         else:
             failed += 1
@@ -54,7 +59,8 @@ def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concur
     while pending:
         finish_one()
     seconds = time.perf_counter() - (start or time.perf_counter())
-    return {"seconds": seconds, "bytes": nbytes, "failed": failed, "requests": len(requests)}
+    return {"seconds": seconds, "bytes": nbytes, "failed": failed, "requests": len(requests),
+            "latencies": latencies}
 
 
 def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:

@@ -92,6 +92,12 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
         table.add_row(r.transport, f"{r.page_bytes:,}", r.checks, f"{r.gbps:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{r.pages_per_s:,.0f}", note)
     console.print(table)
+    for r in results:
+        if "latency_p50_s" in r.extra:
+            console.print(f"{r.transport} {r.page_bytes:,} B pages, checks {r.checks}: per-request latency "
+                          f"(admit to READABLE, {r.extra['request_bytes'] / (1 << 20):g} MiB requests) "
+                          f"p50 {1e3 * r.extra['latency_p50_s']:.1f} ms, p99 {1e3 * r.extra['latency_p99_s']:.1f} ms "
+                          f"({r.extra['latency_requests']} requests)", markup=False, highlight=False, soft_wrap=True)
     for name, reason in skipped.items():
         console.print(f"{name}: skipped, {reason}", markup=False, highlight=False, soft_wrap=True)
     ratios = compute_ratios(results)

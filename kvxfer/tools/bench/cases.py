@@ -140,6 +140,7 @@ class KvxferSession(Session):
         self.prefill: Any = None
         self.round = 0
         self.post_rates: list[float] = []
+        self.latencies: list[float] = []  # admit-to-READABLE seconds of every request of the counted rounds
 
     def start(self) -> None:
         self.decode = spawn(self.decode_spec, stderr=self.node_log)
@@ -160,7 +161,24 @@ class KvxferSession(Session):
             raise RuntimeError(f"prefill half: {sent}")
         if sent.get("post_rate"):
             self.post_rates.append(sent["post_rate"])
+        if self.round > 1:  # the first round is the bench's uncounted warm-up
+            self.latencies.extend(received.get("latencies", ()))
+        self._record_latency()
         return float(received["seconds"])
+
+    def _record_latency(self) -> None:
+        """Per-request latency, admission to READABLE (verified) on the decode side, p50 and p99 over
+        every request of the counted rounds (nearest rank)."""
+        if not self.latencies:
+            return
+        ordered = sorted(self.latencies)
+        self.result.extra.update({
+            "latency_from": "admit-to-READABLE",
+            "request_bytes": self.per_request * self.result.page_bytes,
+            "latency_requests": len(ordered),
+            "latency_p50_s": round(percentile(ordered, 50), 6),
+            "latency_p99_s": round(percentile(ordered, 99), 6),
+        })
 
     def close(self, *, measure: bool = True) -> None:
         if self.decode is not None and measure:
@@ -179,6 +197,14 @@ class KvxferSession(Session):
         for node in (self.prefill, self.decode):
             if node is not None:
                 node.close()
+
+
+def percentile(ordered: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending list (not empty)."""
+    import math
+
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
 
 
 class PeerSession(Session):

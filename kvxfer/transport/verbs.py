@@ -270,6 +270,9 @@ class Endpoint:
                 self.native = None
         self.state = "init"
         self._closed = False
+        # to_error() may come from another thread (a link closing without flush) while the owning
+        # thread destroys the QP: the state changes under this lock, never on a destroyed QP
+        self._state_lock = threading.Lock()
 
     def native_context(self) -> int:
         import ctypes
@@ -298,13 +301,14 @@ class Endpoint:
 
     def to_error(self) -> None:
         """Move the QP to ERR: incoming writes are refused, outstanding work requests flush."""
-        if self.state in ("error", "closed"):
-            return
-        pv = self.device.pv
-        attr = pv.QPAttr()
-        attr.qp_state = pv.enums.IBV_QPS_ERR
-        self.qp.modify(attr, pv.enums.IBV_QP_STATE)
-        self.state = "error"
+        with self._state_lock:
+            if self.state in ("error", "closed"):
+                return
+            pv = self.device.pv
+            attr = pv.QPAttr()
+            attr.qp_state = pv.enums.IBV_QPS_ERR
+            self.qp.modify(attr, pv.enums.IBV_QP_STATE)
+            self.state = "error"
 
     # posting and polling -----------------------------------------------------------------------
     def post_recvs(self, wr_id: int, count: int) -> None:
@@ -363,9 +367,10 @@ class Endpoint:
             self.to_error()
         except Exception:  # a QP that never left RESET
             pass
-        self.qp.close()
-        self.cq.close()
-        self.state = "closed"
+        with self._state_lock:
+            self.state = "closed"
+            self.qp.close()
+            self.cq.close()
 
 
 # receiving side ---------------------------------------------------------------------------------

@@ -381,7 +381,7 @@ class ShmReceiver(ReceiverBackend):
     capabilities = CAPABILITIES
 
     def __init__(self, layout: KVLayout, guard: WriteGuard, *, hooks: ReceiverHooks, checksum: Any = None,
-                 options: ShmOptions | None = None) -> None:
+                 options: ShmOptions | None = None, max_ordered_body: int = 2 << 20) -> None:
         from ..core.checksum import ChecksumAlgo, native_id
 
         _check_cpu(layout)
@@ -395,6 +395,7 @@ class ShmReceiver(ReceiverBackend):
             raise ConfigError(f"shm directory {self.options.directory!r} is not a writable directory")
         self.ring_bytes = self.options.ring_bytes
         self.hooks = hooks
+        self.max_ordered_body = max_ordered_body
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)
         self._sum_initial = algo.initial if self._sum_fn is not None else 0
@@ -542,6 +543,9 @@ class ShmReceiver(ReceiverBackend):
         self._wait(inbound, f.HEADER_SIZE, boundary=True)
         header = f.parse_header(inbound.ring.read(inbound.consumer, f.HEADER_SIZE))
         self._consume(inbound, f.HEADER_SIZE)
+        limit = {f.FrameKind.CONNECT: f.CONNECT_BODY_MAX, f.FrameKind.ORDERED: self.max_ordered_body}.get(header.kind)
+        if limit is not None and header.body_len > limit:  # refused before allocating or reading it
+            raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds {limit}")
         body = bytearray(header.body_len)
         self._stream(inbound, header.body_len, lambda at, n: inbound.ring.read_into(inbound.consumer, memoryview(body)[at : at + n]))
         return header, bytes(body), f.HEADER_SIZE + header.body_len
@@ -979,7 +983,7 @@ def _open_ring(path: str, size: int) -> _Ring:
 
 def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> ShmReceiver:
     return ShmReceiver(layout, guard, hooks=hooks, checksum=getattr(config, "checksum", None),
-                       options=_options(config))
+                       options=_options(config), max_ordered_body=getattr(config, "max_ordered_body", 2 << 20))
 
 
 def _sender(layout: KVLayout, config: Any) -> ShmTransport:

@@ -60,13 +60,8 @@ def _hello(identity: str, reply_to: str, *, page_size: int = PAGE_TOKENS, role: 
 
 
 def _transfer(pair, rid: str, tokens: int, *, seed: int = 0) -> np.ndarray:
-    """Admit on both sides (bound to the pair's decode), fill, send; the decode's copy must match."""
-    pair.prefill.admit(rid, tokens, peer=pair.decode.engine_id)
-    pair.decode.admit(rid, tokens, peer=pair.peer)
-    pair.prefill.wait_ready(rid)
-    src = pair.prefill.source_pages(rid)
-    fill_random(pair.prefill.layout, src, seed)
-    pair.prefill.send(rid)
+    """An honest transfer (Pair.transfer) that must become READABLE with exactly the bytes written."""
+    src = pair.transfer(rid, tokens, seed=seed)
     assert pair.decode.wait(rid).state is R.READABLE
     pair.expect_content(rid, src)
     return src

@@ -511,23 +511,15 @@ static inline uint64_t now_ns(void) {
 #define RING_YIELDS 32 /* sched_yield()s before a waiting side sleeps: polling on a busy core starves the other side */
 #endif
 
-static uint64_t KS[8];
-static PyObject *ring_stats(PyObject *self, PyObject *args) {
-    return Py_BuildValue("(KKKKKK)", KS[0], KS[1], KS[2], KS[3], KS[4], KS[5]);
-}
 static int ring_wait_(const uint64_t *word, int64_t target, const uint64_t *stop, uint64_t stop_value,
                      const uint64_t *closed, uint64_t closed_value, long pid, int *slept);
+/* Wait until *word >= target; 1 when *stop == stop_value, 2 when *closed == closed_value, 3 when
+ * process pid is gone. GIL not held. */
 static int ring_wait(const uint64_t *word, int64_t target, const uint64_t *stop, uint64_t stop_value,
                      const uint64_t *closed, uint64_t closed_value, long pid) {
-    __atomic_fetch_add(&KS[0], 1, __ATOMIC_RELAXED);
     if ((int64_t)__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target) return 0;
-    uint64_t t0 = now_ns(); int slept = 0;
-    int rc = ring_wait_(word, target, stop, stop_value, closed, closed_value, pid, &slept);
-    uint64_t dt = now_ns() - t0;
-    __atomic_fetch_add(&KS[1], 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&KS[2], dt, __ATOMIC_RELAXED);
-    if (slept) { __atomic_fetch_add(&KS[3], 1, __ATOMIC_RELAXED); __atomic_fetch_add(&KS[4], (uint64_t)slept, __ATOMIC_RELAXED); __atomic_fetch_add(&KS[5], dt, __ATOMIC_RELAXED);}
-    return rc;
+    int slept = 0;
+    return ring_wait_(word, target, stop, stop_value, closed, closed_value, pid, &slept);
 }
 static int ring_wait_(const uint64_t *word, int64_t target, const uint64_t *stop, uint64_t stop_value,
                      const uint64_t *closed, uint64_t closed_value, long pid, int *slept) {
@@ -655,7 +647,6 @@ static PyMethodDef methods[] = {
     {"ring_copy", ring_copy, METH_VARARGS,
      "ring_copy(addresses, lengths, item_lens, algo, initial, chunk, ring_data, ring_size, position, ring_is_src, "
      "wait_address, publish_address, stop_address, stop_value, closed_address, closed_value, pid) -> (rc, sums or None)"},
-    {"ring_stats", ring_stats, METH_NOARGS, ""},
     {"ring_load", ring_load, METH_VARARGS, "ring_load(address) -> int: load-acquire of a 64-bit word"},
     {"ring_store", ring_store, METH_VARARGS, "ring_store(address, value): store-release of a 64-bit word"},
     {"checksum_runs", checksum_runs, METH_VARARGS, "checksum_runs(algo, value, addresses, lengths) -> int"},

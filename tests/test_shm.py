@@ -462,6 +462,122 @@ def test_ring_copy_streams_scattered_pages_through_a_small_ring():
     assert words[1] == pos  # nothing was consumed
 
 
+
+def _words(n: int = 8) -> tuple[np.ndarray, list[int]]:
+    words = np.zeros(n, dtype=np.uint64)
+    return words, [int(words.ctypes.data) + 8 * i for i in range(n)]
+
+
+@pytest.mark.skipif(not shm._native(), reason="native data path")
+def test_a_publish_wakes_a_sleeping_waiter_only_when_it_reaches_its_want():
+    """ring_wait sleeps in a futex announced in its want word; a publish short of it leaves it asleep,
+    one that reaches it clears the word and wakes it at once (not at the 10 ms sleep bound's mercy:
+    the waiter's own timeout is 5 s)."""
+    lib = native.lib
+    words, addr = _words()  # 0: position, 1: want, 2: stop, 3: closed
+    out: dict[str, Any] = {}
+
+    def waiter() -> None:
+        started = time.monotonic()
+        out["rc"] = lib.ring_wait(addr[0], 100, addr[1], addr[2], 1, addr[3], 1, 0, 5.0)
+        out["s"] = time.monotonic() - started
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_for(lambda: words[1] != 0, timeout=5)  # it announced itself: it sleeps
+    assert words[1] == 100
+    lib.ring_publish(addr[0], 50, addr[1])  # not enough: no wake, the want word stays
+    time.sleep(0.05)
+    assert thread.is_alive() and words[1] == 100
+    lib.ring_publish(addr[0], 100, addr[1])
+    thread.join(5)
+    assert out["rc"] == 0 and words[1] == 0 and out["s"] < 1.0
+
+
+@pytest.mark.skipif(not shm._native(), reason="native data path")
+def test_a_state_change_wakes_a_sleeper_and_each_early_return_says_why():
+    lib = native.lib
+    words, addr = _words()
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.setdefault(
+        "rc", lib.ring_wait(addr[0], 1, addr[1], addr[2], 2, addr[3], 2, 0, 30.0)))
+    thread.start()
+    wait_for(lambda: words[1] != 0, timeout=5)
+    started = time.monotonic()
+    words[2] = 2
+    lib.ring_wake(addr[0])  # what a fence does after storing FENCED
+    thread.join(5)
+    assert out["rc"] == 1 and time.monotonic() - started < 1.0 and words[1] == 0
+    words[2], words[3] = 0, 2
+    assert lib.ring_wait(addr[0], 1, addr[1], addr[2], 2, addr[3], 2, 0, 1.0) == 2  # closed, unmet
+    words[0] = 1
+    assert lib.ring_wait(addr[0], 1, addr[1], addr[2], 2, addr[3], 2, 0, 1.0) == 0  # closed but met
+    words[0], words[3] = 0, 0
+    started = time.monotonic()
+    assert lib.ring_wait(addr[0], 1, addr[1], addr[2], 2, addr[3], 2, 0, 0.05) == 4  # timed out
+    assert 0.04 < time.monotonic() - started < 1.0
+    with pytest.raises(ValueError, match="aligned"):
+        lib.ring_wait(addr[0] + 4, 1, addr[1], addr[2], 2, addr[3], 2, 0, 0.05)
+
+
+@pytest.mark.skipif(not shm._native() or not native.checksums_in_c, reason="native data path with C checksums")
+def test_ring_copy_streams_checksummed_items_larger_than_the_ring():
+    """128 KiB Adler-32 items (the one-pass AVX2 copy where the CPU has it) through a 64 KiB ring:
+    copied in pieces, each item summed once whole, the same sums on both sides (this deadlocked
+    before: each side waited for a whole item the ring cannot hold)."""
+    import zlib
+
+    lib = native.lib
+    item, size, chunk = 128 << 10, 64 << 10, 256 << 10
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, (16, 2 * item), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    ring = np.zeros(size, dtype=np.uint8)
+    words, addr = _words(16)  # 0 producer, 1 consumer, 2 stop, 3 closed, 4 reader want, 5 writer want
+    sp, dp = rng.permutation(16)[:10], rng.permutation(16)[:10]
+    lengths, items = np.full(10, 2 * item, np.uint64), np.full(10, item, np.uint64)
+    out: dict[str, Any] = {}
+
+    def writer() -> None:
+        out["w"] = lib.ring_copy((src.ctypes.data + sp.astype(np.uint64) * 2 * item).tobytes(), lengths.tobytes(),
+                                 items.tobytes(), 0, 1, chunk, ring.ctypes.data, size, 0, 0, addr[1], addr[0],
+                                 addr[2], 1, addr[3], 1, 0, addr[5], addr[4])
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    got = lib.ring_copy((dst.ctypes.data + dp.astype(np.uint64) * 2 * item).tobytes(), lengths.tobytes(),
+                        items.tobytes(), 0, 1, chunk, ring.ctypes.data, size, 0, 1, addr[0], addr[1],
+                        addr[2], 1, addr[3], 1, 0, addr[4], addr[5])
+    thread.join(10)
+    assert got[0] == 0 and out["w"][0] == 0
+    assert np.array_equal(dst[dp], src[sp])
+    expected = [zlib.adler32(src[p, k * item : (k + 1) * item].tobytes()) for p in sp for k in range(2)]
+    assert np.frombuffer(got[1], np.uint32).tolist() == expected == np.frombuffer(out["w"][1], np.uint32).tolist()
+    assert words[0] == words[1] == 20 * item and words[4] == words[5] == 0
+
+
+@pytest.mark.skipif(not shm._native(), reason="native data path")
+def test_a_sleeping_reader_never_asks_for_more_than_its_frame():
+    """The landing thread asks to be woken once half the ring more was published, but never past
+    the end of the payload it copies: the writer stops there (the frame ends) and would not wake it."""
+    lib = native.lib
+    size = 1 << 20
+    ring = np.zeros(size, dtype=np.uint8)
+    dst = np.zeros(8192, dtype=np.uint8)
+    words, addr = _words()  # 0 producer, 1 consumer, 2 stop, 3 closed, 4 reader want, 5 writer want
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("rc", lib.ring_copy(
+        np.array([dst.ctypes.data], np.uint64).tobytes(), np.array([8192], np.uint64).tobytes(),
+        np.array([8192], np.uint64).tobytes(), -1, 0, 4096, ring.ctypes.data, size, 0, 1, addr[0], addr[1],
+        addr[2], 1, addr[3], 1, 0, addr[4], addr[5])))
+    thread.start()
+    wait_for(lambda: words[4] != 0, timeout=5)
+    assert words[4] == 8192  # the frame's end, not 4096 + 512 KiB
+    ring[:8192] = 7
+    lib.ring_publish(addr[0], 8192, addr[4])
+    thread.join(5)
+    assert out["rc"] == (0, None) and (dst == 7).all() and words[1] == 8192
+
 # two processes --------------------------------------------------------------------------------------
 
 _CHILD = textwrap.dedent("""

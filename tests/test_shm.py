@@ -676,13 +676,15 @@ def test_bench_reports_shm_against_a_scattered_memcpy(tmp_path):
     env = dict(os.environ, KVXFER_SHM_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--transport", "shm", "--total", "16M",
                            "--request-bytes", "4M", "--page-bytes", "64K", "--repeat", "2",
-                           "--baselines", "scattered-memcpy", "--json", str(out)],
+                           "--baselines", "scattered-memcpy,two-copy-memcpy", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     cases = {(c["transport"], c["checks"]): c for c in report["cases"]}
-    for key in (("kvxfer-shm", "on"), ("kvxfer-shm", "off"), ("scattered-memcpy", "off")):
+    for key in (("kvxfer-shm", "on"), ("kvxfer-shm", "off"), ("scattered-memcpy", "off"), ("two-copy-memcpy", "off")):
         assert not cases[key]["error"] and cases[key]["gbps"] > 0, cases[key]
+    assert cases[("two-copy-memcpy", "off")]["tool"] == "native copy_runs, 2 threads at once"
     against = {r["against"]: r for r in report["ratios"]}
-    assert against["scattered-memcpy"]["gbps_ratio"] > 0 and against["kvxfer-shm checks off"]["gbps_ratio"] > 0
+    for label in ("scattered-memcpy", "two-copy-memcpy", "kvxfer-shm checks off"):
+        assert against[label]["gbps_ratio"] > 0, against
     assert [p for p in os.listdir(tmp_path) if p.startswith("kvxfer-ring")] == []

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checks", default="both", choices=["on", "off", "both"],
                        help="kvxfer with its checksums on, off, or both as two cases")
     bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
-                       "scattered-memcpy (default: those that apply to the transport)")
+                       "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport)")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 

@@ -2,11 +2,13 @@
 
 Each runner moves the same bytes the same way as far as its tool allows and returns a
 :class:`~kvxfer.tools.bench.cases.CaseResult` named by its ``transport`` field (``ib_write_bw``,
-``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``). A runner whose tool is not
+``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``, ``two-copy-memcpy``). A runner whose tool is not
 installed is skipped before anything starts: :meth:`Runner.missing` names what to install, and the
 bench prints that in one line and records it under ``skipped`` in its JSON, with no row or ratio.
 ``ib_write_bw`` runs under :func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
-``scattered-memcpy`` (the shm transport's yardstick) runs in the bench process itself.
+``scattered-memcpy`` (the shm transport's yardstick) and ``two-copy-memcpy`` (its ceiling: what two
+concurrent copies of the round each get, the most a transport that copies every byte twice at once,
+writer into a ring and reader out of it, can reach) run in the bench process itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +101,14 @@ class ScatteredMemcpySession(Session):
     """The shm transport's yardstick: one thread copying the round's pages from random pages of one
     pool to random pages of another (pools as large as kvxfer's decode pool), with the native
     ``copy_runs`` (numpy fancy indexing without the extension): a same-host transfer with no
-    protocol, no checks and a single copy."""
+    protocol, no checks and a single copy.
+
+    With ``copies=2`` (``two-copy-memcpy``) two threads each copy the whole round at the same time,
+    between pools of their own, and the round's time is until both finished: the rate each copy gets
+    while another runs, which bounds any transport whose bytes are copied twice concurrently (the
+    shm ring: the writer into it, the landing thread out of it) on the same memory system."""
+
+    copies = 1
 
     def __init__(self, name: str, config: BenchConfig, page_bytes: int) -> None:
         pages, _per, _req, pool_pages = _geometry(config, page_bytes)
@@ -113,11 +123,13 @@ class ScatteredMemcpySession(Session):
         from ...core import native
 
         page = self.result.page_bytes
-        self.src = np.ones((self.pool_pages, page), dtype=np.uint8)  # written: every page is resident
-        self.dst = np.ones((self.pool_pages, page), dtype=np.uint8)
+        # written: every page is resident
+        self.pools = [(np.ones((self.pool_pages, page), dtype=np.uint8), np.ones((self.pool_pages, page), dtype=np.uint8))
+                      for _ in range(self.copies)]
         self.rng = np.random.default_rng(7)
         self.lib = native.lib if native.provides("copy_runs") else None
-        self.result.extra["tool"] = "native copy_runs, 1 thread" if self.lib is not None else "numpy, 1 thread"
+        threads = f"{self.copies} thread" + ("s at once" if self.copies > 1 else "")
+        self.result.extra["tool"] = f"native copy_runs, {threads}" if self.lib is not None else f"numpy, {threads}"
 
     def _picks(self) -> Any:
         import numpy as np
@@ -128,21 +140,38 @@ class ScatteredMemcpySession(Session):
     def run_once(self) -> float:
         import numpy as np
 
-        src, dst = self._picks(), self._picks()
         page = self.result.page_bytes
-        if self.lib is None:
+        moves: list[Any] = []
+        for src_pool, dst_pool in self.pools:
+            src, dst = self._picks(), self._picks()
+            if self.lib is None:
+                moves.append(lambda s=src_pool, d=dst_pool, si=src, di=dst: d.__setitem__(di, s[si]))
+                continue
+            dst_addr = (np.uint64(dst_pool.ctypes.data) + dst.astype(np.uint64) * np.uint64(page)).tobytes()
+            src_addr = (np.uint64(src_pool.ctypes.data) + src.astype(np.uint64) * np.uint64(page)).tobytes()
+            lengths = np.full(len(src), page, dtype=np.uint64).tobytes()
+            moves.append(lambda d=dst_addr, s=src_addr, n=lengths: self.lib.copy_runs(d, s, n))
+        if len(moves) == 1:
             start = time.perf_counter()
-            self.dst[dst] = self.src[src]
+            moves[0]()
             return time.perf_counter() - start
-        dst_addr = (np.uint64(self.dst.ctypes.data) + dst.astype(np.uint64) * np.uint64(page)).tobytes()
-        src_addr = (np.uint64(self.src.ctypes.data) + src.astype(np.uint64) * np.uint64(page)).tobytes()
-        lengths = np.full(len(src), page, dtype=np.uint64).tobytes()
+        threads = [threading.Thread(target=move) for move in moves[1:]]  # copy_runs releases the GIL
         start = time.perf_counter()
-        self.lib.copy_runs(dst_addr, src_addr, lengths)
+        for thread in threads:
+            thread.start()
+        moves[0]()
+        for thread in threads:
+            thread.join()
         return time.perf_counter() - start
 
     def close(self, *, measure: bool = True) -> None:
-        self.src = self.dst = None
+        self.pools = []
+
+
+class TwoCopyMemcpySession(ScatteredMemcpySession):
+    """``two-copy-memcpy``: :class:`ScatteredMemcpySession` with two copies at once (its docstring)."""
+
+    copies = 2
 
 
 def _parse_perftest(text: str) -> float | None:
@@ -166,4 +195,5 @@ RUNNERS: dict[str, Runner] = {
     "ib_write_bw": Runner("ib_write_bw", ("verbs",), IbWriteBwSession, binary="ib_write_bw",
                           install="apt-get install perftest"),
     "scattered-memcpy": Runner("scattered-memcpy", ("shm",), ScatteredMemcpySession),
+    "two-copy-memcpy": Runner("two-copy-memcpy", ("shm",), TwoCopyMemcpySession),
 }

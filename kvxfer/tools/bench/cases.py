@@ -34,7 +34,7 @@ class BenchConfig:
     repeat: int = 5
     checks: str = "both"  # on, off, both
     baselines: list[str] = field(default_factory=lambda: ["raw-socket", "mooncake-tcp", "nixl-ucx-tcp", "ib_write_bw",
-                                                          "scattered-memcpy"])
+                                                          "scattered-memcpy", "two-copy-memcpy"])
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
 

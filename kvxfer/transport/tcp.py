@@ -74,6 +74,7 @@ log = logging.getLogger("kvxfer.tcp")
 
 FRAME_MAX_RUNS = 512
 SUM_CHUNK = 256 << 10  # land this much, then checksum it while it is still in cache (L2)
+SEND_SUM_CHUNK = 2 << 20  # send this much (as native send_runs does), then checksum it from the cache the kernel filled
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 _SCRATCH = 64 << 10  # a refused write's payload is read through this, made on a connection's first refusal
@@ -806,7 +807,7 @@ class TcpLink(FrameLink):
                 items = self.layout.item_lens.astype(np.uint64)[buffers]
                 raw = native.lib.send_runs_summed(self._sock.fileno(), header + runs, addresses.tobytes(),
                                                   lengths.tobytes(), items.tobytes(), self._sum_fn,
-                                                  self._sum_initial, SUM_CHUNK)
+                                                  self._sum_initial, SEND_SUM_CHUNK)
                 self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
             self.bytes_sent += size
             return

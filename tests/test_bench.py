@@ -69,3 +69,25 @@ def test_a_peer_found_missing_only_when_started_is_skipped_not_failed():
 class _Quiet:
     def print(self, *args, **kwargs):
         pass
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_peer_is_stopped_between_its_rounds_and_leaves_nothing():
+    """A contestant's processes are stopped (state T) outside its own rounds, so a library thread
+    that spins while idle (NIXL's target progress thread) cannot slow the other contestants' rounds;
+    each of its rounds still runs, and closing it ends both processes."""
+    session = PeerSession("raw-socket", BenchConfig(total_bytes=4 << 20), 65536)
+    session.start()
+    try:
+        pids = [proc.pid for proc in session.procs]
+        assert len(pids) == 2 and {_state(pid) for pid in pids} == {"T"}
+        for _ in range(2):
+            assert session.run_once() > 0
+            assert {_state(pid) for pid in pids} == {"T"}
+    finally:
+        session.close()
+    assert all(proc.poll() is not None for proc in session.procs)

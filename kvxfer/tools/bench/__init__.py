@@ -95,7 +95,7 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     for r in results:
         if "latency_p50_s" in r.extra:
             console.print(f"{r.transport} {r.page_bytes:,} B pages, checks {r.checks}: per-request latency "
-                          f"(admit to READABLE, {r.extra['request_bytes'] / (1 << 20):g} MiB requests) "
+                          f"({r.extra['latency_from'].replace('-to-', ' to ')}, {r.extra['request_bytes'] / (1 << 20):g} MiB requests) "
                           f"p50 {1e3 * r.extra['latency_p50_s']:.1f} ms, p99 {1e3 * r.extra['latency_p99_s']:.1f} ms "
                           f"({r.extra['latency_requests']} requests)", markup=False, highlight=False, soft_wrap=True)
     for name, reason in skipped.items():

@@ -112,6 +112,22 @@ def _geometry(config: BenchConfig, page_bytes: int) -> tuple[int, int, int, int]
     return requests * per_request, per_request, requests, 2 * per_request * config.concurrency
 
 
+def record_latency(result: CaseResult, latencies: list[float], request_pages: int,
+                   measured_from: str = "initialize_xfer-to-DONE") -> None:
+    """Per-request latency p50 and p99 (nearest rank) over every request of the counted rounds, into
+    ``result.extra``."""
+    if not latencies:
+        return
+    ordered = sorted(latencies)
+    result.extra.update({
+        "latency_from": measured_from,
+        "request_bytes": request_pages * result.page_bytes,
+        "latency_requests": len(ordered),
+        "latency_p50_s": round(percentile(ordered, 50), 6),
+        "latency_p99_s": round(percentile(ordered, 99), 6),
+    })
+
+
 class KvxferSession(Session):
     """A prefill and a decode node; each round is ``requests`` requests with up to ``concurrency``
     in flight, destination and source pages at random across the pools."""
@@ -163,22 +179,9 @@ class KvxferSession(Session):
             self.post_rates.append(sent["post_rate"])
         if self.round > 1:  # the first round is the bench's uncounted warm-up
             self.latencies.extend(received.get("latencies", ()))
-        self._record_latency()
+        # per-request latency, admission to READABLE (verified) on the decode side
+        record_latency(self.result, self.latencies, self.per_request, "admit-to-READABLE")
         return float(received["seconds"])
-
-    def _record_latency(self) -> None:
-        """Per-request latency, admission to READABLE (verified) on the decode side, p50 and p99 over
-        every request of the counted rounds (nearest rank)."""
-        if not self.latencies:
-            return
-        ordered = sorted(self.latencies)
-        self.result.extra.update({
-            "latency_from": "admit-to-READABLE",
-            "request_bytes": self.per_request * self.result.page_bytes,
-            "latency_requests": len(ordered),
-            "latency_p50_s": round(percentile(ordered, 50), 6),
-            "latency_p99_s": round(percentile(ordered, 99), 6),
-        })
 
     def close(self, *, measure: bool = True) -> None:
         if self.decode is not None and measure:
@@ -222,6 +225,9 @@ class PeerSession(Session):
                                     seconds=0.0, checks="off"))
         self.args = [name, str(pages), str(page_bytes), str(pool_pages)]
         self.procs: list[Any] = []
+        self.request_pages, self.concurrency = _per, config.concurrency
+        self.rounds = 0
+        self.latencies: list[float] = []  # per-request seconds of the counted rounds, where the peer reports them
 
     def _spawn(self, role: str, *extra: str) -> tuple[Any, dict[str, Any]]:
         import os
@@ -255,6 +261,7 @@ class PeerSession(Session):
 
     def start(self) -> None:
         _target, info = self._spawn("target")
+        info.update(request_pages=self.request_pages, concurrency=self.concurrency)
         self.initiator, _ = self._spawn("initiator", json.dumps(info))
         self._park(True)
 
@@ -279,6 +286,10 @@ class PeerSession(Session):
             self._park(True)
         if "error" in info:
             raise RuntimeError(info["error"])
+        self.rounds += 1
+        if self.rounds > 1 and info.get("latencies"):  # the first round is the bench's uncounted warm-up
+            self.latencies.extend(info["latencies"])
+            record_latency(self.result, self.latencies, self.request_pages)
         return float(info["seconds"])
 
     def close(self, *, measure: bool = True) -> None:

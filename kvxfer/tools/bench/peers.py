@@ -176,11 +176,16 @@ def nixl_target(pages: int, page_bytes: int, pool_pages: int) -> None:
 
 
 def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    """Each round moves the pages as requests of ``request_pages`` (kvxfer's ``--request-bytes``), up
+    to ``concurrency`` in flight, as kvxfer's bench loops do, and reports every request's latency
+    (from its ``initialize_xfer`` to DONE) beside the round's seconds."""
     agent = _nixl("kvxfer-bench-initiator", progress_thread=False)
     pool = _pool(pool_pages, page_bytes)
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     remote = agent.add_remote_agent(base64.b64decode(target["metadata"]))
     rng = np.random.default_rng(2)
+    per_request = max(1, int(target.get("request_pages", pages)))
+    concurrency = max(1, int(target.get("concurrency", 1)))
     _say({"ready": True})
     for round_no, _ in enumerate(_commands()):
         src = np.zeros((pages, 3), dtype=np.uint64)
@@ -188,18 +193,33 @@ def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[st
         src[:, 0] = pool.ctypes.data + _picks(rng, pool_pages, pages).astype(np.uint64) * page_bytes
         dst[:, 0] = target["base"] + _picks(rng, pool_pages, pages).astype(np.uint64) * page_bytes
         src[:, 1] = dst[:, 1] = page_bytes
+        todo = list(range(0, pages, per_request))
+        in_flight: list[tuple[Any, float]] = []
+        latencies: list[float] = []
         start = time.perf_counter()
-        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"), agent.get_xfer_descs(dst, "DRAM"),
-                                       remote, f"r{round_no}".encode())
-        state = agent.transfer(handle)
-        while state == "PROC":
+        while todo or in_flight:
+            while todo and len(in_flight) < concurrency:
+                lo = todo.pop(0)
+                began = time.perf_counter()
+                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src[lo : lo + per_request], "DRAM"),
+                                               agent.get_xfer_descs(dst[lo : lo + per_request], "DRAM"),
+                                               remote, f"r{round_no}-{lo}".encode())
+                state = agent.transfer(handle)
+                if state not in ("PROC", "DONE"):
+                    _say({"error": f"NIXL transfer ended in state {state}"})
+                    sys.exit(4)
+                in_flight.append((handle, began))
+            handle, began = in_flight[0]  # requests complete in order on one connection
             state = agent.check_xfer_state(handle)
-        seconds = time.perf_counter() - start
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            _say({"error": f"NIXL transfer ended in state {state}"})
-            sys.exit(4)
-        _say({"seconds": seconds})
+            if state == "PROC":
+                continue
+            if state != "DONE":
+                _say({"error": f"NIXL transfer ended in state {state}"})
+                sys.exit(4)
+            latencies.append(time.perf_counter() - began)
+            agent.release_xfer_handle(handle)
+            in_flight.pop(0)
+        _say({"seconds": time.perf_counter() - start, "latencies": latencies})
 
 
 ROLES = {

@@ -11,6 +11,8 @@ import pytest
 
 from kvxfer.tools.bench import BenchConfig, PeerSession, Unavailable, _run_rounds
 
+from .conftest import wait_for
+
 pytestmark = pytest.mark.slow
 INSTALL = {"mooncake-tcp": ("mooncake", "pip install mooncake-transfer-engine-non-cuda"),
            "nixl-ucx-tcp": ("nixl_cu12", "pip install --no-deps nixl-cu12")}
@@ -84,10 +86,11 @@ def test_a_peer_is_stopped_between_its_rounds_and_leaves_nothing():
     session.start()
     try:
         pids = [proc.pid for proc in session.procs]
-        assert len(pids) == 2 and {_state(pid) for pid in pids} == {"T"}
+        assert len(pids) == 2
+        wait_for(lambda: {_state(pid) for pid in pids} == {"T"}, timeout=5)  # SIGSTOP lands asynchronously
         for _ in range(2):
             assert session.run_once() > 0
-            assert {_state(pid) for pid in pids} == {"T"}
+            wait_for(lambda: {_state(pid) for pid in pids} == {"T"}, timeout=5)
     finally:
         session.close()
     assert all(proc.poll() is not None for proc in session.procs)

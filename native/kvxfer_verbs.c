@@ -15,6 +15,19 @@
  *   poll(cq, max) -> bytes     packed <QIIIIII> records: wr_id, status, opcode, byte_len, imm
  *        (host order), wc_flags, qp_num.
  *
+ * Memory windows (type 2B, issue 17; the receiver binds one per run of a request's pages on the
+ * queue pair of the writer's connection and invalidates it before the pages can be reused):
+ *
+ *   mw_handle(mw, rkey, context) -> int     raw ibv_mw pointer of a pyverbs MW (validated: context,
+ *        rkey and type 2 must match), or ValueError.
+ *   mr_handle(bind_info, lkey, context) -> int     the ibv_mr pointer a pyverbs MWBindInfo holds
+ *        (validated: context and lkey must match), or ValueError.
+ *   post_binds(qp, wr_id, mws, rkeys, mrs, addrs, lens, access) -> None     one chained
+ *        ibv_post_send of IBV_WR_BIND_MW, only the last signalled; on success each window's
+ *        ibv_mw.rkey becomes its new rkey (the next bind and the invalidation name the current key).
+ *   post_invalidates(qp, wr_id, rkeys) -> None     one chain of IBV_WR_LOCAL_INV, only the last
+ *        signalled.
+ *
  * Arrays are native-endian numpy .tobytes() (uint64 addresses/lengths, uint32 keys). The caller
  * keeps the pyverbs objects alive while it uses their handles and never posts more WRs than the
  * queue pair has room for.
@@ -196,12 +209,147 @@ static PyObject *poll(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Memory windows ----------------------------------------------------------------------------- */
+
+/* pyverbs' MW: PyverbsCM's head, then `object pd`, then `ibv_mw *mw` (rdma-core pyverbs/mr.pxd). */
+static PyObject *mw_handle(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long rkey;
+    unsigned long long context;
+    if (!PyArg_ParseTuple(args, "OkK", &obj, &rkey, &context)) return NULL;
+    if ((size_t)Py_TYPE(obj)->tp_basicsize < PYVERBS_PTR_OFFSET + 2 * sizeof(void *)) goto bad;
+    struct ibv_mw *mw = *(struct ibv_mw **)((char *)obj + PYVERBS_PTR_OFFSET + sizeof(void *));
+    if (mw == NULL || (uintptr_t)mw->context != (uintptr_t)context || mw->rkey != (uint32_t)rkey ||
+        mw->type != IBV_MW_TYPE_2)
+        goto bad;
+    return PyLong_FromVoidPtr(mw);
+bad:
+    PyErr_SetString(PyExc_ValueError, "not a pyverbs type-2 MW with the expected layout");
+    return NULL;
+}
+
+/* pyverbs' MWBindInfo: PyverbsCM's head, then the ibv_mw_bind_info itself, whose first field is the
+ * ibv_mr pointer. */
+static PyObject *mr_handle(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long lkey;
+    unsigned long long context;
+    if (!PyArg_ParseTuple(args, "OkK", &obj, &lkey, &context)) return NULL;
+    struct ibv_mr *mr = (struct ibv_mr *)pyverbs_ptr(obj);
+    if (mr == NULL || (uintptr_t)mr->context != (uintptr_t)context || mr->lkey != (uint32_t)lkey) {
+        PyErr_SetString(PyExc_ValueError, "not a pyverbs MWBindInfo with the expected layout");
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(mr);
+}
+
+static PyObject *post_binds(PyObject *self, PyObject *args) {
+    unsigned long long qp_addr, wr_id;
+    Py_buffer mws, rkeys, mrs, addrs, lens;
+    int access;
+    if (!PyArg_ParseTuple(args, "KKy*y*y*y*y*i", &qp_addr, &wr_id, &mws, &rkeys, &mrs, &addrs, &lens, &access))
+        return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)mws.len / 8;
+    struct ibv_send_wr *wrs = NULL;
+    if (rkeys.len * 2 != mws.len || mrs.len != mws.len || addrs.len != mws.len || lens.len != mws.len || n == 0) {
+        PyErr_SetString(PyExc_ValueError, "post_binds: inconsistent arrays");
+        goto done;
+    }
+    wrs = calloc(n, sizeof *wrs);
+    if (wrs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    struct ibv_mw *const *mw = mws.buf;
+    struct ibv_mr *const *mr = mrs.buf;
+    const uint32_t *rk = rkeys.buf;
+    const uint64_t *ad = addrs.buf, *ln = lens.buf;
+    for (size_t i = 0; i < n; i++) {
+        wrs[i].wr_id = wr_id + i;
+        wrs[i].opcode = IBV_WR_BIND_MW;
+        wrs[i].bind_mw.mw = mw[i];
+        wrs[i].bind_mw.rkey = rk[i];
+        wrs[i].bind_mw.bind_info.mr = mr[i];
+        wrs[i].bind_mw.bind_info.addr = ad[i];
+        wrs[i].bind_mw.bind_info.length = ln[i];
+        wrs[i].bind_mw.bind_info.mw_access_flags = (unsigned int)access;
+        wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
+    }
+    wrs[n - 1].send_flags = IBV_SEND_SIGNALED;
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send((struct ibv_qp *)(uintptr_t)qp_addr, wrs, &bad);
+    /* the provider builds each WQE from the window's current key: the next bind or invalidation of
+     * a window posted here names its new key (WRs before a bad one were posted) */
+    size_t posted = rc ? (bad ? (size_t)(bad - wrs) : 0) : n;
+    for (size_t i = 0; i < posted; i++) mw[i]->rkey = rk[i];
+    if (rc) {
+        PyErr_Format(PyExc_OSError, "ibv_post_send (bind) failed with %d (%s) at work request %zu of %zu", rc,
+                     strerror(rc), posted, n);
+    } else {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    free(wrs);
+    PyBuffer_Release(&mws);
+    PyBuffer_Release(&rkeys);
+    PyBuffer_Release(&mrs);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    return result;
+}
+
+static PyObject *post_invalidates(PyObject *self, PyObject *args) {
+    unsigned long long qp_addr, wr_id;
+    Py_buffer rkeys;
+    if (!PyArg_ParseTuple(args, "KKy*", &qp_addr, &wr_id, &rkeys)) return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)rkeys.len / 4;
+    struct ibv_send_wr *wrs = NULL;
+    if (n == 0 || rkeys.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "post_invalidates: no keys");
+        goto done;
+    }
+    wrs = calloc(n, sizeof *wrs);
+    if (wrs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint32_t *rk = rkeys.buf;
+    for (size_t i = 0; i < n; i++) {
+        wrs[i].wr_id = wr_id + i;
+        wrs[i].opcode = IBV_WR_LOCAL_INV;
+        wrs[i].invalidate_rkey = rk[i];
+        wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
+    }
+    wrs[n - 1].send_flags = IBV_SEND_SIGNALED;
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send((struct ibv_qp *)(uintptr_t)qp_addr, wrs, &bad);
+    if (rc) {
+        long index = bad ? (long)(bad - wrs) : -1;
+        PyErr_Format(PyExc_OSError, "ibv_post_send (invalidate) failed with %d (%s) at work request %ld of %zu",
+                     rc, strerror(rc), index, n);
+    } else {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    free(wrs);
+    PyBuffer_Release(&rkeys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"qp_handle", qp_handle, METH_VARARGS, "raw ibv_qp pointer of a pyverbs QP (validated)"},
     {"cq_handle", cq_handle, METH_VARARGS, "raw ibv_cq pointer of a pyverbs CQ (validated)"},
     {"post_writes", post_writes, METH_VARARGS, "post a chain of RDMA WRITEs (last one optionally with IMM)"},
     {"post_recvs", post_recvs, METH_VARARGS, "post receive WRs"},
     {"poll", poll, METH_VARARGS, "poll a CQ into packed records"},
+    {"mw_handle", mw_handle, METH_VARARGS, "raw ibv_mw pointer of a pyverbs type-2 MW (validated)"},
+    {"mr_handle", mr_handle, METH_VARARGS, "raw ibv_mr pointer held by a pyverbs MWBindInfo (validated)"},
+    {"post_binds", post_binds, METH_VARARGS, "post a chain of type-2 memory window binds (last signalled)"},
+    {"post_invalidates", post_invalidates, METH_VARARGS, "post a chain of LOCAL_INV (last signalled)"},
     {NULL, NULL, 0, NULL},
 };
 

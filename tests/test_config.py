@@ -65,6 +65,8 @@ def test_options_of_a_copy_are_independent():
     ({"verbs": {"port": "1"}}, "verbs option 'port' must be int"),
     ({"verbs": {"port": True}}, "verbs option 'port' must be int"),
     ({"verbs": {"gid_index": 1.5}}, "verbs option 'gid_index' must be int or None"),
+    ({"verbs": {"windows": "maybe"}}, "verbs option 'windows' is 'maybe'; choose one of 'auto', 'on', 'off'"),
+    ({"verbs": {"window_max_runs": "8"}}, "verbs option 'window_max_runs' must be int"),
     ({"tcp": {"staging": "gpu"}}, "tcp option 'staging' is 'gpu'; choose one of None, 'host'"),
     ({"shm": {"ring_bytes": None}}, "shm option 'ring_bytes' must be int"),
     ({"rdma": {"device": "x"}}, "transport_options names unknown transport 'rdma'"),

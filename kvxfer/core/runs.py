@@ -56,6 +56,8 @@ class WriteBatch:
     # early send under overlap scheduling): an object with ``synchronize()`` (a CUDA event) or
     # ``wait()``. Whoever reads the source pages first waits on it (:meth:`wait_sources`).
     ready: Any = None
+    # the transport's access blob from the request's META (verbs: its memory windows' keys); b"": none
+    access: bytes = b""
 
     def wait_sources(self) -> None:
         """Block until the source pages hold what the caller wrote (no-op without ``ready``)."""

@@ -33,6 +33,8 @@ class DecodeEngine(EngineBase):
             max_inflight=config.max_inflight,
             transfer_timeout=config.transfer_timeout,
             drain_timeout=config.drain_timeout,
+            grant=lambda conn, gen, pages: self.transport.grant(conn, gen, pages),
+            revoke=lambda conn, gen: self.transport.revoke(conn, gen),
             **self._role_settings(),
         )
         self.receiver.guard.on_refused = self._write_refused
@@ -361,6 +363,7 @@ class DecodeEngine(EngineBase):
                 "writes": self.receiver.guard.counters(),
                 "engine_counters": dict(self.counters),
                 "transport": self.transport.name,
+                "write_window": self.transport.write_window,
                 "protocol_errors": data_path.get("protocol_errors", 0),
                 "data_path": data_path,
                 "active": len(self.receiver.active),

@@ -12,7 +12,10 @@ Invariants (checked by :meth:`Receiver.check_accounting`):
 * pages leave ``QUARANTINED`` only on a drain proof for *that* generation (DRAIN_ACK, DONE, REJECT or
   ABORT arriving on the ordered data path behind the writer's writes) or after the writer's
   connection was fenced; a timeout only ever leads to a fence;
-* a request is ``REJECTED`` before anything is reserved, or (writer rejected it) before any write.
+* a request is ``REJECTED`` before anything is reserved, or (writer rejected it) before any write;
+* a request's transport grant (``grant``: verbs memory windows, whose keys META carries) is revoked
+  (``revoke``) when DONE arrives and, in any case, before its pages are freed: a write that comes
+  later fails in the NIC where the transport enforces grants.
 
 All methods must be called with :attr:`lock` held or take it themselves; none blocks on I/O.
 """
@@ -49,6 +52,7 @@ from ..errors import (
     StaleGeneration,
     TransferAborted,
     TransferFailed,
+    TransportError,
     UnknownRequest,
     VerificationFailed,
 )
@@ -129,6 +133,8 @@ class Receiver:
         defer: Callable[[Callable[[], None]], None] | None = None,
         observer: Callable[[Lifecycle, Any, str], None] | None = None,
         warn: Callable[..., None] | None = None,
+        grant: Callable[[Any, int, np.ndarray], bytes] | None = None,
+        revoke: Callable[[Any, int], None] | None = None,
     ) -> None:
         if not 0 < max_inflight <= MAX_SLOTS:
             raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
@@ -146,6 +152,9 @@ class Receiver:
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
         self._defer = defer or (lambda fn: fn())
+        # the transport's per-request access (ReceiverBackend.grant / revoke); no-ops by default
+        self._grant = grant or (lambda conn, gen, pages: b"")
+        self._revoke = revoke or (lambda conn, gen: None)
         self.peers: dict[str, PeerInfo] = {}
         self.active: dict[Any, ReceiveRequest] = {}
         self.by_gen: OrderedDict[int, ReceiveRequest] = OrderedDict()
@@ -223,9 +232,14 @@ class Receiver:
             req.pages = held
             req.conn = info.conn
             req.deadline = self._clock() + self.transfer_timeout
-            meta = m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held)
             try:
                 self.guard.open(Window(rid=rid, gen=gen, slot=req.slot, conn=info.conn, pages=held))
+                try:
+                    access = self._grant(info.conn, gen, held)
+                except TransportError as exc:  # its connection broke: as if the peer were not connected
+                    raise PeerError(f"data connection {info.conn} cannot take the request: {exc}", rid=rid,
+                                    generation=gen) from exc
+                meta = m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held, access=access)
                 req.fsm.to(R.RESERVED, f"{len(held)} pages reserved")
                 self.active[rid] = req
                 self._remember(req)
@@ -238,6 +252,7 @@ class Receiver:
 
     def _undo_admission(self, req: ReceiveRequest) -> None:
         """Admission failed after the reservation (nothing was sent): put everything back."""
+        self._revoke(req.conn, req.gen)
         self.guard.forget(req.gen)
         self.ledger.release(req.pages, req.gen, allowed=(PageState.RESERVED,))
         self._free_slots.append(req.slot)
@@ -349,6 +364,9 @@ class Receiver:
                 f"DONE for a request in state {req.state.value}", rid=req.rid, generation=req.gen
             ))
             return
+        # DONE came behind every write of the generation: from here on no write for it may land (the
+        # NIC refuses it where the transport enforces grants), so the pages verified stay as verified
+        self._revoke(req.conn, req.gen)
         log_problem = self._record_write_log(req, msg)
         self.guard.close(req.gen)
         req.fsm.to(R.VERIFYING, "DONE received")
@@ -636,6 +654,8 @@ class Receiver:
 
     def _finish(self, req: ReceiveRequest, *, release_from: tuple[PageState, ...]) -> None:
         """A request reached a terminal state: free its pages (proof in hand), slot and entry."""
+        if req.conn is not None:
+            self._revoke(req.conn, req.gen)  # before the pages can be reused (idempotent)
         if req.pages.size:
             self.pool.release(req.pages, req.gen, allowed=release_from)
         self.guard.forget(req.gen)

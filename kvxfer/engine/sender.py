@@ -127,6 +127,7 @@ class SendRequest:
     expected_peer: str | None = None  # admit(peer=...): only this decode may give the destination
     link: Any = None
     dst_pages: np.ndarray | None = None
+    access: bytes = b""  # META.access: the transport's keys for the destination (verbs memory windows)
     sent: int = 0
     src_sent: list[np.ndarray] = field(default_factory=list)
     posted: int = 0
@@ -369,9 +370,10 @@ class Sender:
                         f"{self.max_pending_meta} destinations from this peer already wait for requests not "
                         "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
                     return
-                size = int(msg.pages.nbytes)
+                size = int(msg.pages.nbytes) + len(msg.access)  # page list and transport keys (verbs windows)
                 if self._pending_bytes[peer] + size > self.max_pending_meta_bytes:
-                    held_bytes = sum(int(p[1].pages.nbytes) for p in self.pending_meta.values() if p[0] == peer)
+                    held_bytes = sum(int(p[1].pages.nbytes) + len(p[1].access) for p in self.pending_meta.values()
+                                     if p[0] == peer)
                     self._pending_bytes[peer] = held_bytes  # the running count only ever overestimates
                     if held_bytes + size > self.max_pending_meta_bytes:
                         self.stats["meta_bytes_refused"] += 1
@@ -422,6 +424,7 @@ class Sender:
         req.peer = peer
         req.link = link
         req.dst_pages = msg.pages
+        req.access = msg.access
         req.deadline = float("inf")
         req.fsm.to(S.READY, "destination received")
         self.by_gen[(peer, msg.gen)] = req
@@ -555,6 +558,7 @@ class Sender:
                 batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
                 batch.owner = req
                 batch.ready = ready
+                batch.access = req.access
                 batch.final = req.sent + chunk.size == total
                 self._sum_later(batch)
                 req.posted += len(batch)

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kvxfer with its checksums on, off, or both as two cases")
     bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
                        "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport)")
+    bench.add_argument("--compare-windows", action="store_true",
+                       help="verbs: run kvxfer with memory windows on and off (each against ib_write_bw)")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 
@@ -222,6 +224,7 @@ def _bench(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         checks=args.checks,
         baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
+        compare_windows=args.compare_windows,
     )
     return run_bench(config, json_path=args.json)
 
@@ -246,6 +249,9 @@ def _transport_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gid-index", type=int, default=None,
                         help="verbs: GID index (default: $KVXFER_GID_INDEX, else the first RoCE v2 "
                         "IPv4-mapped GID)")
+    parser.add_argument("--ib-windows", default=None, choices=["auto", "on", "off"],
+                        help="verbs: per-request memory windows (default: $KVXFER_IB_WINDOWS, else auto: "
+                        "where the device has them)")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,8 +262,8 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if args.transport is not None:
         overrides["transport"] = args.transport
-    verbs = {key: value for key, value in (("device", args.ib_device), ("gid_index", args.gid_index))
-             if value is not None}
+    verbs = {key: value for key, value in (("device", args.ib_device), ("gid_index", args.gid_index),
+                                           ("windows", args.ib_windows)) if value is not None}
     if verbs:
         overrides["transport_options"] = {"verbs": verbs}
     # only the transport settings are taken: the engines these commands start bind loopback (or run

@@ -32,6 +32,11 @@ Invariants every backend keeps (the lifecycle and hostile-peer suites run agains
 * an ordered message (DONE, DRAIN_ACK, REJECT, ABORT) is acted on only after every write posted
   before it on the same connection landed or was refused (a drain proof);
 * :meth:`ReceiverBackend.fence` returns only when nothing more from that connection can land;
+* a request's access to its pages is granted (:meth:`ReceiverBackend.grant`, whose bytes META
+  carries) before its META is sent, and revoked (:meth:`ReceiverBackend.revoke`) before its pages are
+  freed or reused: after verified completion, a drain proof or a fence. Where the fabric enforces
+  the grant itself (verbs memory windows) a late or stale write then fails in the NIC; elsewhere the
+  write guard is the enforcement and both calls are no-ops;
 * every connection that ends is reported exactly once: to the fencer (``fence`` returns True) or
   through ``hooks.on_closed``;
 * ``close()`` is idempotent.
@@ -99,6 +104,10 @@ class ReceiverBackend(abc.ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     address: str  # where this backend listens, for logs and stats (not a secret)
+    # what confines a writer to a request's pages before its bytes land: "write_guard" (the receiver
+    # checks every write, tcp and shm), "memory_windows" (the NIC, per request; verbs) or "region_rkey"
+    # (nothing before landing: the write log is checked and the fence stops a liar; verbs without windows)
+    write_window: str = "write_guard"
 
     @abc.abstractmethod
     def offer(self, peer: str, session: bytes, epoch: int) -> bytes:
@@ -111,6 +120,17 @@ class ReceiverBackend(abc.ABC):
 
     def withdraw(self, peer: str, epoch: int) -> None:  # noqa: B027 - optional
         """Forget an offer that was never accepted (the peer went away or a newer one replaced it)."""
+
+    def grant(self, conn: ConnId, gen: int, pages: Any) -> bytes:
+        """Let ``conn`` write generation ``gen``'s reserved ``pages`` and, where the fabric can enforce
+        it, nothing else; returns the access blob META carries (b"": the offer's keys apply). Raises
+        TransportError when the connection cannot take the request (nothing stays granted)."""
+        return b""
+
+    def revoke(self, conn: ConnId, gen: int) -> None:  # noqa: B027 - optional
+        """Withdraw ``gen``'s grant: once this returns, no new write for it can land through the
+        fabric's own checks. Called before the request's pages are freed or reused; idempotent; never
+        raises (a fabric that cannot revoke cleanly stops the whole connection instead)."""
 
     def sync(self, conn: ConnId, gen: int | None = None) -> None:  # noqa: B027 - optional
         """Before an ordered message from the control plane is acted on: make sure everything the

@@ -39,6 +39,13 @@ class VerbsOptions:
                                                        "deprecated_env": ("KVXFER_RDMA_DEVICE",)})
     port: int = field(default=1, metadata={"env": "KVXFER_IB_PORT"})
     gid_index: int | None = field(default=None, metadata={"env": "KVXFER_GID_INDEX"})
+    # per-request memory windows (type 2B) over each request's pages, so the NIC refuses a write outside
+    # them: "auto" uses them where the device has them, "on" refuses to start without them, "off" keeps
+    # the region rkey (the decode's write guard then checks the write log and the fence stops the rest)
+    windows: str = field(default="auto", metadata={"env": "KVXFER_IB_WINDOWS", "choices": ("auto", "on", "off")})
+    # a request whose pages form more contiguous runs than this gets one window per buffer over the
+    # whole buffer (still bound to its connection and invalidated with the request), not one per run
+    window_max_runs: int = field(default=64, metadata={"env": "KVXFER_IB_WINDOW_MAX_RUNS"})
 
 
 OPTIONS: dict[str, type] = {"tcp": TcpOptions, "shm": ShmOptions, "verbs": VerbsOptions}

@@ -20,7 +20,14 @@ Rules that make it as safe as tcp:
   stale or unknown tag is counted and completes nothing.
 * Fencing moves the receiver's queue pair to the error state: a write that arrives afterwards is
   refused on the wire and lands nowhere; then the queue pair is destroyed and a new epoch offered.
-* Memory regions are deregistered only after every queue pair that could target them is destroyed.
+* Per-request memory windows (:mod:`kvxfer.transport.verbs_windows`), where the device has type-2B
+  windows: the receiver's regions grant no remote access by their own rkey; each request gets
+  windows over its pages bound on its connection's queue pair (:meth:`VerbsReceiver.grant`, keys in
+  META), invalidated when DONE arrives and always before its pages are freed
+  (:meth:`VerbsReceiver.revoke`). A stale key then fails in the NIC; the queue pair that carried it
+  fails, and the receiver fences the connection when its own queue pair reports the failure.
+* Memory regions are deregistered only after every queue pair that could target them is destroyed,
+  and windows are deallocated before their queue pair is destroyed (a bound type-2 window holds it).
 
 The per-work-request loops run in C (``kvxfer._verbs``) when it is built; otherwise pure pyverbs.
 GPU memory registers through :func:`register_region` (dma-buf), which the GPU support provides.
@@ -60,6 +67,7 @@ from .base import (
     TransportFactory,
 )
 from .options import VerbsOptions
+from .verbs_windows import ReceiverWindows, WindowTable
 
 log = logging.getLogger("kvxfer.verbs")
 
@@ -81,7 +89,7 @@ def pyverbs_modules() -> Any:
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.cq import CQ
         from pyverbs.device import Context, get_device_list
-        from pyverbs.mr import MR
+        from pyverbs.mr import MR, MW
         from pyverbs.pd import PD
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
         from pyverbs.wr import SGE, RecvWR, SendWR
@@ -94,10 +102,16 @@ def pyverbs_modules() -> Any:
     class _NS:
         pass
 
+    try:  # memory windows are bound from C; pyverbs only allocates them and names their MR
+        from pyverbs.mr import MWBindInfo
+    except ImportError:  # an old pyverbs: no memory windows
+        MWBindInfo = None  # noqa: N806
+
     ns = _NS()
     for name, value in dict(enums=enums, GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ, Context=Context,
-                            get_device_list=get_device_list, MR=MR, PD=PD, QP=QP, QPAttr=QPAttr, QPCap=QPCap,
-                            QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR, SendWR=SendWR).items():
+                            get_device_list=get_device_list, MR=MR, MW=MW, MWBindInfo=MWBindInfo, PD=PD, QP=QP,
+                            QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR,
+                            SendWR=SendWR).items():
         setattr(ns, name, value)
     return ns
 
@@ -141,10 +155,16 @@ def gid_text(raw: bytes) -> str:
 
 
 class VerbsDevice:
-    """An opened RDMA device with its protection domain and memory registrations."""
+    """An opened RDMA device with its protection domain and memory registrations.
+
+    On the receiving side (``remote_write``) it also decides how writes are admitted, once, before the
+    memory is registered: ``windows`` is True when every request gets its own memory windows (the
+    memory regions then grant no remote access by their own rkey at all), False when the regions'
+    rkeys are published (``windows_reason`` says why)."""
 
     def __init__(self, options: VerbsOptions, layout: KVLayout, *, remote_write: bool) -> None:
         self.pv = pyverbs_modules()
+        self.layout = layout
         pv = self.pv
         e = pv.enums
         devices = pv.get_device_list()
@@ -165,7 +185,15 @@ class VerbsDevice:
         self.gid_index = options.gid_index if options.gid_index is not None else self._pick_gid(port_attr)
         self.gid = gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
         self.pd = pv.PD(self.ctx)
-        access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+        self.windows = False
+        self.windows_reason = "the writing side publishes no memory"
+        self.max_mw = 0
+        if remote_write:
+            self.windows, self.windows_reason = self._choose_windows(options)
+        if self.windows:  # remote writes only through per-request windows: the regions' own rkeys grant nothing
+            access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_MW_BIND
+        else:
+            access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
         self.mrs: dict[int, Any] = {}
         for region in layout.regions:
             self.mrs[id(region)] = register_region(self, region, access)
@@ -179,6 +207,55 @@ class VerbsDevice:
         self.scratch = pv.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
         self._bounce: Any = None
         self._closed = False
+
+    def _choose_windows(self, options: VerbsOptions) -> tuple[bool, str]:
+        """Whether requests get memory windows here (options.windows, and what the device can do)."""
+        if options.windows == "off":
+            return False, "memory windows turned off (windows=off)"
+        ok, why = self._probe_windows()
+        if not ok and options.windows == "on":
+            self.pd.close()
+            self.ctx.close()
+            raise TransportError(f"{self.name}: memory windows required (windows=on) but unavailable: {why}")
+        return ok, why
+
+    def _probe_windows(self) -> tuple[bool, str]:
+        """Type-2B memory windows usable here? The device must say so, and one must allocate and be
+        readable by the C data path (which binds and invalidates them)."""
+        pv = self.pv
+        e = pv.enums
+        native = native_verbs()
+        if native is None or not hasattr(native, "post_binds"):
+            return False, "kvxfer._verbs is not built (windows are bound and invalidated from C)"
+        if pv.MWBindInfo is None:
+            return False, "this pyverbs has no MWBindInfo"
+        try:
+            attr = self.ctx.query_device()
+        except Exception as exc:
+            return False, f"cannot query the device: {exc}"
+        self.max_mw = int(getattr(attr, "max_mw", 0))
+        flags = int(getattr(attr, "device_cap_flags", 0))
+        type_2b = int(getattr(e, "IBV_DEVICE_MEM_WINDOW_TYPE_2B", 1 << 24))
+        if self.max_mw <= 0:
+            return False, f"{self.name} reports max_mw 0"
+        if not flags & type_2b:
+            return False, f"{self.name} lacks type-2B memory windows (device_cap_flags {flags:#x})"
+        probe = mw = mr = info = None
+        try:
+            probe = Endpoint(self)
+            context = probe.native_context()
+            mw = pv.MW(self.pd, e.IBV_MW_TYPE_2)
+            native.mw_handle(mw, mw.rkey, context)
+            mr = pv.MR(self.pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_MW_BIND)
+            info = pv.MWBindInfo(mr, mr.buf, 4096, e.IBV_ACCESS_REMOTE_WRITE)
+            native.mr_handle(info, mr.lkey, context)
+        except Exception as exc:
+            return False, f"cannot allocate and address a type-2 memory window on {self.name}: {exc}"
+        finally:
+            for obj in (info, mw, mr, probe):
+                if obj is not None:
+                    obj.close()
+        return True, f"type-2B memory windows on {self.name} (max_mw {self.max_mw})"
 
     def bounce(self, size: int) -> Any:
         """A registered scratch buffer of at least ``size`` bytes (fault injection only)."""
@@ -243,15 +320,19 @@ def wire_address(registration: Any, spec: Any) -> int:
 
 
 class Endpoint:
-    """One RC queue pair with its completion queue, from INIT to RTS, to ERR, to destroyed."""
+    """One RC queue pair with its completion queue, from INIT to RTS, to ERR, to destroyed.
 
-    def __init__(self, device: VerbsDevice) -> None:
+    With ``send_cq`` (a receiver using memory windows) the send queue completes into a completion
+    queue of its own, which only the window binds and invalidations use and their caller polls."""
+
+    def __init__(self, device: VerbsDevice, *, send_cq: bool = False) -> None:
         pv = device.pv
         e = pv.enums
         self.device = device
         self.cq = pv.CQ(device.ctx, CQ_DEPTH, None, None, 0)
+        self.scq = pv.CQ(device.ctx, SQ_DEPTH, None, None, 0) if send_cq else None
         cap = pv.QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=RQ_DEPTH, max_send_sge=1, max_recv_sge=1)
-        init = pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        init = pv.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.scq or self.cq, rcq=self.cq, cap=cap)
         attr = pv.QPAttr(port_num=device.port)
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         self.qp = pv.QP(device.pd, init, attr)
@@ -260,11 +341,14 @@ class Endpoint:
         self.native = native_verbs()
         self.qp_handle = 0
         self.cq_handle = 0
+        self.scq_handle = 0
         if self.native is not None:
             try:
                 self.qp_handle = self.native.qp_handle(self.qp, self.qpn)
                 ctx_addr = self.native_context()
                 self.cq_handle = self.native.cq_handle(self.cq, ctx_addr)
+                if self.scq is not None:
+                    self.scq_handle = self.native.cq_handle(self.scq, ctx_addr)
             except (ValueError, OverflowError) as exc:
                 log.warning("native verbs path unavailable for this pyverbs build (%s): using pyverbs", exc)
                 self.native = None
@@ -349,6 +433,39 @@ class Endpoint:
             a.next_wr = b
         self.qp.post_send(wrs[0])
 
+    # memory windows (receiver; C only: kvxfer.transport.verbs_windows) ---------------------------
+    def post_binds(self, wr_id: int, mws: np.ndarray, rkeys: np.ndarray, mrs: np.ndarray, addrs: np.ndarray,
+                   lengths: np.ndarray, access: int) -> None:
+        """One chain of type-2 window binds on this QP, the last signalled (OSError if refused)."""
+        if self.native is None or not self.scq_handle:
+            raise TransportError(f"queue pair {self.qpn} has no native send path for memory windows")
+        self.native.post_binds(self.qp_handle, wr_id, mws.astype(np.uint64).tobytes(),
+                               rkeys.astype(np.uint32).tobytes(), mrs.astype(np.uint64).tobytes(),
+                               addrs.astype(np.uint64).tobytes(), lengths.astype(np.uint64).tobytes(), access)
+
+    def post_invalidates(self, wr_id: int, rkeys: np.ndarray) -> None:
+        """One chain of LOCAL_INV of these window keys on this QP, the last signalled."""
+        self.native.post_invalidates(self.qp_handle, wr_id, rkeys.astype(np.uint32).tobytes())
+
+    def wait_send(self, wr_id: int, timeout: float) -> str:
+        """Wait for send work request ``wr_id`` (signalled, the last of its chain) to complete on the
+        send completion queue; '' on success, else what went wrong (a failed or flushed work request,
+        or no completion within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while True:
+            records = np.frombuffer(self.native.poll(self.scq_handle, 64), dtype=RECORD)
+            for rec in records:
+                if rec["status"] != WC_SUCCESS:
+                    return f"work request {int(rec['wr_id'])} completed with status {int(rec['status'])}"
+                if int(rec["wr_id"]) == wr_id:
+                    return ""
+            if time.monotonic() >= deadline:
+                return f"no completion for work request {wr_id} within {timeout:g} s"
+            spins += 1
+            if spins > 200:
+                time.sleep(0.00005)
+
     def poll(self) -> np.ndarray:
         if self.native is not None:
             return np.frombuffer(self.native.poll(self.cq_handle, POLL_BATCH), dtype=RECORD)
@@ -371,6 +488,8 @@ class Endpoint:
             self.state = "closed"
             self.qp.close()
             self.cq.close()
+            if self.scq is not None:
+                self.scq.close()
 
 
 # receiving side ---------------------------------------------------------------------------------
@@ -442,31 +561,51 @@ class VerbsReceiver(ReceiverBackend):
         self.layout = layout
         self.guard = guard
         guard.requires_final = True
+        if options.window_max_runs < 1:
+            raise ConfigError(f"verbs option 'window_max_runs' must be at least 1, not {options.window_max_runs}")
         self.device = VerbsDevice(options, layout, remote_write=True)
         self.address = f"verbs:{self.device.name}:{gid_text(self.device.gid)}"
+        self.windows: ReceiverWindows | None = None
+        if self.device.windows:
+            self.windows = ReceiverWindows(self.device, max_runs=options.window_max_runs, max_windows=SQ_DEPTH - 64,
+                                           max_mw=self.device.max_mw, on_broken=self._windows_broken)
+            self.write_window = "memory_windows"
+            log.info("verbs receiver on %s: writes land only through per-request memory windows (%s; one per "
+                     "buffer and run of pages, up to %d runs, else one per buffer), invalidated before the "
+                     "pages are freed", self.device.name, self.device.windows_reason, options.window_max_runs)
+        else:
+            self.write_window = "region_rkey"
+            log.info("verbs receiver on %s: writes land through the regions' rkeys (no per-request memory "
+                     "windows: %s); the write log is checked against the guard and a fence stops the rest",
+                     self.device.name, self.device.windows_reason)
         self._on_closed = on_closed
         self._lock = threading.Lock()
         self._poll_mutex = threading.Lock()
         self._peerings: dict[tuple[str, int], _Peering] = {}
         self._by_qpn: dict[int, _Peering] = {}
+        self._broken: collections.deque[tuple[Any, str]] = collections.deque()
         self._closed = False
         self.protocol_errors = 0
         self.completion_errors = 0
+        self.broken_connections = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxfer-verbs-recv", daemon=True)
         self._thread.start()
 
     def offer(self, peer: str, session: bytes, epoch: int) -> bytes:
         """A fresh queue pair for ``peer`` under ``epoch``; the writer connects to it."""
-        endpoint = Endpoint(self.device)
+        endpoint = Endpoint(self.device, send_cq=self.windows is not None)
         peering = _Peering(peer, session, epoch, endpoint)
         endpoint.post_recvs(0, RQ_DEPTH)
         peering.recv_posted = RQ_DEPTH
         with self._lock:
             self._peerings[(peer, epoch)] = peering
             self._by_qpn[endpoint.qpn] = peering
+        # with memory windows the regions' rkeys grant nothing remotely: the offer names none (0), and
+        # each META carries the keys of its request's windows
+        rkeys = np.zeros_like(self.device.buffer_rkey) if self.windows is not None else self.device.buffer_rkey
         return encode_offer(epoch, endpoint.qpn, endpoint.psn, self.device.gid, self.device.mtu,
-                            self.device.buffer_addr, self.device.buffer_rkey)
+                            self.device.buffer_addr, rkeys)
 
     def accept(self, peer: str, session: bytes, epoch: int, blob: bytes) -> Any:
         """Move our queue pair for (peer, epoch) to RTS towards the writer's; returns the conn id."""
@@ -487,8 +626,37 @@ class VerbsReceiver(ReceiverBackend):
         if peering is not None and peering.conn is None:
             self.fence((peer, epoch))
 
+    def grant(self, conn: Any, gen: int, pages: np.ndarray) -> bytes:
+        """Bind ``gen``'s memory windows over ``pages`` on ``conn``'s queue pair; META's access blob
+        (empty without windows: the offer's region rkeys apply)."""
+        if self.windows is None:
+            return b""
+        with self._lock:
+            peering = self._peerings.get(conn)
+        if peering is None or peering.conn != conn:
+            raise TransportError(f"request generation {gen}: no live verbs connection {conn}")
+        return self.windows.grant(peering.endpoint, conn[1], gen, pages)
+
+    def revoke(self, conn: Any, gen: int) -> None:
+        """Invalidate ``gen``'s windows (no new write through them lands once this returns)."""
+        if self.windows is not None:
+            self.windows.revoke(gen)
+
+    def _windows_broken(self, endpoint: Endpoint, reason: str) -> None:
+        """A window operation failed on ``endpoint`` (its QP is in the error state by now): the poller
+        fences the connection and reports it closed, outside every lock."""
+        with self._lock:
+            peering = next((p for p in self._peerings.values() if p.endpoint is endpoint), None)
+        if peering is not None and peering.conn is not None:
+            self._broken.append((peering.conn, reason))
+
     def stats(self) -> dict[str, Any]:
-        return {"protocol_errors": self.protocol_errors, "completion_errors": self.completion_errors}
+        out: dict[str, Any] = {"protocol_errors": self.protocol_errors, "completion_errors": self.completion_errors,
+                               "broken_connections": self.broken_connections, "write_window": self.write_window,
+                               "write_window_reason": self.device.windows_reason}
+        if self.windows is not None:
+            out["windows"] = self.windows.stats()
+        return out
 
     def sync(self, conn: Any, gen: int | None = None, *, wait: float = 2.0) -> None:
         """Process every completion already in the queue before a DONE is acted on; with ``gen``,
@@ -518,8 +686,15 @@ class VerbsReceiver(ReceiverBackend):
                     handled += 1
                     if rec["status"] != WC_SUCCESS:
                         if peering.endpoint.state == "rts":
+                            # the device moved our queue pair to the error state (a write it refused,
+                            # e.g. with a stale window's key): the connection is over, and every
+                            # receive still posted comes back flushed (one line for all of them)
                             self.completion_errors += 1
-                            log.warning("receive completion error %d on %s", int(rec["status"]), peering.conn)
+                            if peering.conn is not None and all(c != peering.conn for c, _ in self._broken):
+                                log.warning("receive completion error %d on %s: its queue pair failed",
+                                            int(rec["status"]), peering.conn)
+                                self._broken.append((peering.conn, f"queue pair failed (completion status "
+                                                                   f"{int(rec['status'])})"))
                         continue
                     repost += 1
                     if rec["opcode"] == WC_RECV_RDMA_WITH_IMM:
@@ -536,6 +711,11 @@ class VerbsReceiver(ReceiverBackend):
         while not self._stop.is_set():
             try:
                 handled = self._poll_once()
+                while self._broken:
+                    conn, reason = self._broken.popleft()
+                    if self.fence(conn):  # reported once, by whoever fenced it
+                        self.broken_connections += 1
+                        self._on_closed(conn, reason)
             except Exception:
                 log.exception("verbs receive poller error")
                 handled = 0
@@ -554,6 +734,8 @@ class VerbsReceiver(ReceiverBackend):
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline and len(peering.endpoint.poll()):
                 pass
+            if self.windows is not None:  # a bound type-2 window holds its QP: deallocate them first
+                self.windows.dispose(peering.endpoint)
             peering.endpoint.close()
         return True
 
@@ -571,6 +753,8 @@ class VerbsReceiver(ReceiverBackend):
             conn = self._peerings[key].conn
             if self.fence(key) and conn is not None:
                 self._on_closed(conn, "receiver closed")
+        if self.windows is not None:
+            self.windows.close()
         self.device.close()
 
 
@@ -614,6 +798,7 @@ class VerbsLink(SenderLink):
         self._inflight: collections.deque[_Posted] = collections.deque()
         self._ordered: collections.deque[tuple[int, Any]] = collections.deque()
         self._held: collections.deque[tuple[float, Any]] = collections.deque()
+        self._tables: collections.OrderedDict[int, WindowTable] = collections.OrderedDict()  # by generation
         self._next_wr = 1
         self._completed_upto = 0
         self._outstanding = 0
@@ -699,9 +884,33 @@ class VerbsLink(SenderLink):
         batch.wait_sources()
         self._post_batch(batch, on_complete, decision)
 
+    def _batch_rkeys(self, batch: WriteBatch) -> np.ndarray:
+        """The rkey of every run of ``batch``: its request's memory windows (META.access), else the
+        regions' rkeys from the offer. ProtocolError when the windows do not cover a run or belong to
+        another connection epoch (the request then fails; nothing is posted with a wrong key)."""
+        if not batch.access:
+            return self._remote_rkey[batch.buffers]
+        table = self._tables.get(batch.gen)
+        if table is None:
+            # pages are the receiver's (its pool size is not ours): the layout bounds buffers only
+            table = WindowTable.decode(batch.access, num_buffers=self.layout.num_buffers, num_pages=1 << 32)
+            if table.epoch != self.epoch:
+                raise ProtocolError(f"request generation {batch.gen}: its memory windows are bound on connection "
+                                    f"epoch {table.epoch}, this link is epoch {self.epoch}")
+            self._tables[batch.gen] = table
+            while len(self._tables) > 4096:
+                self._tables.popitem(last=False)
+        return table.rkeys(batch.buffers, batch.dst_offsets, batch.lengths, self.layout.item_lens)
+
     def _post_batch(self, batch: WriteBatch, on_complete: Any, decision: dict[str, bool] | None = None) -> None:
         n = len(batch)
         start = 0
+        try:
+            batch_rkeys = self._batch_rkeys(batch)
+        except ProtocolError as exc:
+            log.warning("verbs: writes of request generation %d not posted: %s", batch.gen, exc)
+            on_complete(batch, 0, n)
+            return
         while start < n:
             room = SQ_DEPTH - 64 - self._outstanding
             if room <= 0:
@@ -717,7 +926,7 @@ class VerbsLink(SenderLink):
             lkeys = self.device.buffer_lkey[buffers]
             lengths = batch.lengths[start:end]
             remote = self._remote_addr[buffers] + batch.dst_offsets[start:end].astype(np.uint64)
-            rkeys = self._remote_rkey[buffers]
+            rkeys = batch_rkeys[start:end]
             if decision is not None and decision["flip"] and start == 0:
                 local, lkeys = self._flipped_copy(local, lkeys, lengths)
             first = self._next_wr

@@ -29,6 +29,11 @@ VERBS_OFFER_BLOB = msgpack.packb({"v": 1, "epoch": 1, "qpn": 0x11, "psn": 0x1234
                                   "addrs": [0x7F0000000000, 0x7F0000100000], "rkeys": [0x1234, 0x1234]},
                                  use_bin_type=True)
 VERBS_ACCEPT_BLOB = msgpack.packb({"v": 1, "qpn": 0x12, "psn": 0x654321, "gid": GID}, use_bin_type=True)
+# META.access of verbs with memory windows: pages [9, 10, 11, 40, 41] of two buffers are two runs per
+# buffer, one window each (16-byte <buffer, first page, pages, rkey> records, little-endian u32)
+VERBS_META_ACCESS = msgpack.packb({"v": 1, "epoch": 1, "windows": np.array(
+    [(0, 9, 3, 0x1001A), (0, 40, 2, 0x1011B), (1, 9, 3, 0x1021C), (1, 40, 2, 0x1031D)],
+    dtype=[("buffer", "<u4"), ("first", "<u4"), ("pages", "<u4"), ("rkey", "<u4")]).tobytes()}, use_bin_type=True)
 
 
 def example_messages() -> dict[str, m.Message]:
@@ -46,6 +51,8 @@ def example_messages() -> dict[str, m.Message]:
         "CONNECT": m.Connect(engine="prefill-a", epoch=1, proof=m.connect_proof(SESSION, NONCE, "prefill-a", 1)),
         "META": m.Meta(rid="req-42", gen=7, slot=3, tokens=300, pages=np.array([9, 10, 11, 40, 41], dtype=np.int64)),
         "META_INT_RID": m.Meta(rid=18446744073709551615, gen=8, slot=65535, tokens=1, pages=np.array([0])),
+        "META_VERBS": m.Meta(rid="req-42", gen=7, slot=3, tokens=300, pages=np.array([9, 10, 11, 40, 41], dtype=np.int64),
+                             access=VERBS_META_ACCESS),
         "REJECT": m.Reject(rid="req-43", gen=0, reason="exceeds_pool",
                            detail="prompt of 800,000 tokens can never fit this prefill pool of 681,280 tokens"),
         "ABORT": m.Abort(rid="req-42", gen=7, reason="aborted", detail="client disconnected"),

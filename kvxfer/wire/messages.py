@@ -24,7 +24,8 @@ import numpy as np
 from ..core.arguments import MAX_RID_STR, U64
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: OFFER/ACCEPT carry each transport's handshake (1 had VERBS_INFO/VERBS_CONNECT)
+PROTOCOL_VERSION = 3  # 3: META.access (per-request memory windows); 2: OFFER/ACCEPT carry each
+# transport's handshake (1 had VERBS_INFO/VERBS_CONNECT)
 MAX_BLOB = 1 << 20
 PROOF_BYTES = 32
 _PROOF_CONTEXT = b"kvxfer connect proof v2\x00"
@@ -307,6 +308,14 @@ class Meta(Message):
     slot: int = _f(_UInt(0xFFFF), "receiver's request slot (tag low bits)")
     tokens: int = _f(UINT, "prompt tokens")
     pages: np.ndarray = _f(PAGES, "destination page indices, little-endian uint32")
+    access: bytes = _f(
+        _Bytes(MAX_BLOB),
+        "transport-specific: the keys this request's pages may be written with. verbs with memory windows: "
+        "a msgpack map {v: 1, epoch, windows} whose windows are 16-byte <buffer u32, first page u32, pages u32, "
+        "rkey u32> records, bound on the queue pair of connection epoch only and invalidated when the request "
+        "ends (SPEC §3.2); empty when the OFFER's keys apply (tcp, shm, verbs without windows)",
+        b"",
+    )
 
 
 @_register

@@ -44,7 +44,11 @@ def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
     from . import baselines
 
     checks = ["on", "off"] if config.checks == "both" else [config.checks]
-    out: list[Session] = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
+    if config.compare_windows and config.transport == "verbs":
+        out: list[Session] = [KvxferSession(config, page_bytes, c, node_log, windows=w)
+                              for w in ("on", "off") for c in checks]
+    else:
+        out = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
     for name in config.baselines:
         runner = baselines.RUNNERS.get(name)
         if runner is not None and config.transport in runner.transports and name not in (skip or {}):

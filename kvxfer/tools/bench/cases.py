@@ -37,6 +37,7 @@ class BenchConfig:
                                                           "scattered-memcpy", "two-copy-memcpy"])
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
+    compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
 
 
 @dataclass
@@ -132,18 +133,27 @@ class KvxferSession(Session):
     """A prefill and a decode node; each round is ``requests`` requests with up to ``concurrency``
     in flight, destination and source pages at random across the pools."""
 
-    def __init__(self, config: BenchConfig, page_bytes: int, checks: str, node_log: Any) -> None:
+    def __init__(self, config: BenchConfig, page_bytes: int, checks: str, node_log: Any,
+                 windows: str | None = None) -> None:
         pages, self.per_request, self.requests, pool_pages = _geometry(config, page_bytes)
-        super().__init__(CaseResult(transport=f"kvxfer-{config.transport}", page_bytes=page_bytes,
+        # ``windows`` (verbs): force memory windows "on" or "off" for this case; "off" is its own case name
+        name = f"kvxfer-{config.transport}" + ("-windows-off" if windows == "off" else "")
+        super().__init__(CaseResult(transport=name, page_bytes=page_bytes,
                                     bytes=pages * page_bytes, seconds=0.0, checks=checks))
         self.config = config
+        options = {key: dict(value) if isinstance(value, dict) else value
+                   for key, value in (config.transport_options or {}).items()}
+        if windows is not None:
+            verbs = options.get("verbs") or {}
+            options["verbs"] = {**(verbs if isinstance(verbs, dict) else vars(verbs)), "windows": windows}
+            self.result.extra["windows"] = windows
         engine = {
             "max_context": self.per_request,
             "transport": config.transport,
             "checksum": "adler32" if checks == "on" else "none",
             "peer_timeout": 120.0,
             "transfer_timeout": 600.0,
-            "transport_options": config.transport_options,
+            "transport_options": options,
             "alloc_policy": "random",
         }
         self.decode_spec = NodeSpec(role="decode", num_buffers=1, item_len=page_bytes, num_pages=pool_pages,
@@ -193,6 +203,16 @@ class KvxferSession(Session):
                 path = self.decode.stats().get("data_path", {})
                 if path.get("busy_seconds"):
                     self.result.extra["recv_payload_share"] = round(path["payload_seconds"] / path["busy_seconds"], 3)
+                if path.get("write_window"):
+                    self.result.extra["write_window"] = path["write_window"]
+                windows = path.get("windows") or {}
+                if windows.get("granted"):
+                    self.result.extra.update({
+                        "window_bind_us_per_request": windows["bind_us_per_request"],
+                        "window_invalidate_us_per_request": windows["invalidate_us_per_request"],
+                        "windows_per_request": round(windows["windows_bound"] / windows["granted"], 2),
+                        "wide_window_requests": windows["wide"],
+                    })
             except Exception:  # the numbers are extras; never fail the bench on them
                 pass
         if self.post_rates:

@@ -137,6 +137,24 @@ def _write_key(pair, rid, link, page: int) -> np.ndarray:
     return table.rkeys(np.array([0]), np.array([page * item]), np.array([item]), layout.item_lens)
 
 
+def _post_foreign_write(pair, link, wr_id: int, dst_page: int, key: np.ndarray) -> list[str]:
+    """Post one raw WRITE of a spare prefill page (filled with 0xEE) to decode page ``dst_page`` with
+    rkey ``key`` on ``link``'s queue pair, bypassing the engine; returns the list the link's
+    close reasons are appended to."""
+    item = int(pair.prefill.layout.item_lens[0])
+    spare = int(np.flatnonzero(pair.prefill.pool.ledger.state == 0)[-1])
+    pair.prefill.layout.views()[0][spare] = 0xEE
+    reasons: list[str] = []
+    report = link._on_closed
+    link._on_closed = lambda lnk, why: (reasons.append(why), report(lnk, why))
+    link.endpoint.post_writes(wr_id,
+                              np.array([pair.prefill.layout.buffers[0].address + spare * item], dtype=np.uint64),
+                              np.array([item], dtype=np.uint64), link.device.buffer_lkey[:1],
+                              np.array([pair.decode.layout.buffers[0].address + dst_page * item], dtype=np.uint64),
+                              key, -1)
+    return reasons
+
+
 def _poll_statuses(endpoint, seconds: float) -> list[int]:
     statuses: list[int] = []
     deadline = time.monotonic() + seconds
@@ -187,18 +205,8 @@ def test_a_stale_window_key_fails_in_the_nic_and_never_lands_in_the_next_owners_
     windows = pair.decode.stats()["data_path"]["windows"]
     assert windows["granted"] == 2 and windows["revoked"] == 2 and windows["bound_now"] == 0
 
-    item = int(pair.prefill.layout.item_lens[0])
     before = pair.decode.layout.views()[0][breq.pages].copy()
-    spare = int(np.flatnonzero(pair.prefill.pool.ledger.state == 0)[-1])
-    pair.prefill.layout.views()[0][spare] = 0xEE
-    reasons: list[str] = []
-    report = link._on_closed
-    link._on_closed = lambda lnk, why: (reasons.append(why), report(lnk, why))
-    link.endpoint.post_writes(10_000_000,
-                              np.array([pair.prefill.layout.buffers[0].address + spare * item], dtype=np.uint64),
-                              np.array([item], dtype=np.uint64), link.device.buffer_lkey[:1],
-                              np.array([pair.decode.layout.buffers[0].address + page * item], dtype=np.uint64),
-                              stale, -1)
+    reasons = _post_foreign_write(pair, link, 10_000_000, page, stale)
     wait_for(lambda: reasons, timeout=60, what="the connection to end")
     # refused by the receiver's NIC: the writer's work request fails with IBV_WC_REM_ACCESS_ERR (10),
     # or (whichever is seen first) the receiver's queue pair goes to the error state and it fences
@@ -234,17 +242,7 @@ def test_a_live_window_key_reaches_no_page_outside_its_window(engines, request):
     link = pair.link
     mine_page = int(pair.prefill.status("mine").dst_pages[0])
     key = _write_key(pair, "mine", link, mine_page)
-    item = int(pair.prefill.layout.item_lens[0])
-    spare = int(np.flatnonzero(pair.prefill.pool.ledger.state == 0)[-1])
-    pair.prefill.layout.views()[0][spare] = 0xEE
-    reasons: list[str] = []
-    report = link._on_closed
-    link._on_closed = lambda lnk, why: (reasons.append(why), report(lnk, why))
-    link.endpoint.post_writes(10_000_001,
-                              np.array([pair.prefill.layout.buffers[0].address + spare * item], dtype=np.uint64),
-                              np.array([item], dtype=np.uint64), link.device.buffer_lkey[:1],
-                              np.array([pair.decode.layout.buffers[0].address + int(done.pages[0]) * item],
-                                       dtype=np.uint64), key, -1)
+    reasons = _post_foreign_write(pair, link, 10_000_001, int(done.pages[0]), key)
     deadline = time.monotonic() + 10
     while not reasons and time.monotonic() < deadline:
         time.sleep(0.01)

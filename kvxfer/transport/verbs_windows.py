@@ -49,6 +49,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..core.checksum import page_runs as consecutive_runs
 from ..errors import ProtocolError, TransportError
 
 log = logging.getLogger("kvxfer.verbs")
@@ -62,13 +63,7 @@ WAIT_S = 5.0  # a bind or invalidate chain that does not complete within this is
 
 def page_runs(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(first, count)`` of the maximal runs of consecutive indices among ``pages`` (any order)."""
-    ordered = np.unique(np.asarray(pages, dtype=np.int64))
-    if ordered.size == 0:
-        return ordered, ordered
-    breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [ordered.size]))
-    return ordered[starts], ends - starts
+    return consecutive_runs(np.unique(np.asarray(pages, dtype=np.int64)))
 
 
 def plan_windows(pages: np.ndarray, *, num_buffers: int, num_pages: int, max_runs: int,

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
 pytest.importorskip("sglang_router", reason="sglang-router not installed (python3 tools/install_sglang.py)")
 
-from .sglang_env import CPU_FLAGS, HERE, Server, make_tiny_llama, request_json  # noqa: E402
+from .sglang_env import CPU_FLAGS, HERE, PortTaken, Server, free_ports, make_tiny_llama, request_json  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +40,12 @@ PROMPTS = [PREFIX + "prefill", PREFIX + "decode server router", PREFIX + "engine
            "model request stream batch", "hello", PREFIX * 4 + "tensor", PREFIX + "prefill"]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class Cluster:
     """Reference, prefill, decode and router, with their addresses."""
 
     def __init__(self, model: str, logs: Path) -> None:
         (self.ref_port, self.prefill_port, self.bootstrap_port, self.decode_port, self.router_port,
-         self.prefill_metrics, self.decode_metrics) = _free_ports(7)
+         self.prefill_metrics, self.decode_metrics) = free_ports(7)
         path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env = dict(os.environ, PYTHONPATH=path, SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2",
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60")
@@ -136,14 +125,30 @@ class Cluster:
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-e2e")
     model = str(make_tiny_llama(root / "tiny-llama"))
-    c = Cluster(model, root)
+    for attempt in range(3):  # new ports when one was taken before its server bound it
+        logs = root / f"try{attempt}"
+        logs.mkdir()
+        c = Cluster(model, logs)
+        try:
+            c.start()
+            break
+        except PortTaken:
+            _stop_all(c)
+            if attempt == 2:
+                raise
+        except BaseException:
+            _stop_all(c)
+            raise
     try:
-        c.start()
         yield c
     finally:
-        c.stop()
-        left = {s.name: s.members() for s in c.servers if s.members()}
-        assert not left, f"server processes survived: {left}"
+        _stop_all(c)
+
+
+def _stop_all(c: Cluster) -> None:
+    c.stop()
+    left = {s.name: s.members() for s in c.servers if s.members()}
+    assert not left, f"server processes survived: {left}"
 
 
 def _wait_no_transfer_holds(cluster: Cluster, timeout: float = 30.0) -> dict[str, float]:

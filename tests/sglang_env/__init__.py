@@ -97,6 +97,32 @@ def request_json(method: str, url: str, payload: dict[str, Any] | None = None, *
         return status, text
 
 
+class PortTaken(RuntimeError):
+    """A server could not bind the port it was given (another process took it in the meantime)."""
+
+
+def free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
+    """``n`` distinct ports that bind now, below the kernel's ephemeral range (32768 and up by
+    default), where servers' own bind-to-0 ports and outgoing connections are allocated, so a port
+    chosen here is not taken by one of them before its server binds it (a server binds its HTTP
+    port only after loading its model)."""
+    import random
+    import socket
+
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(low, high)
+        if port in ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
 class Server:
     """One server process (and everything it spawns) in its own process group, with its log file."""
 
@@ -113,10 +139,15 @@ class Server:
         return self
 
     def wait_ready(self, url: str, *, timeout: float = 300.0, check: Any = None) -> None:
+        """Until ``url`` answers 200 (and ``check`` accepts the body). Fails at once if the process
+        exited, and raises :class:`PortTaken` if its log says its port was taken (SGLang's HTTP
+        server logs the bind error and keeps its processes alive: waiting would only time out)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+            if "address already in use" in self.tail(200):
+                raise PortTaken(f"{self.name}: its port was taken before it bound it:\n{self.tail()}")
             try:
                 status, body = request_json("GET", url, timeout=5)
                 if status == 200 and (check is None or check(body)):

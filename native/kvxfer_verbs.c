@@ -46,10 +46,15 @@
  * field, which is the C object pointer for both QP and CQ. */
 #define PYVERBS_PTR_OFFSET (sizeof(PyObject) + 3 * sizeof(void *))
 
-static void *pyverbs_ptr(PyObject *obj) {
-    if ((size_t)Py_TYPE(obj)->tp_basicsize < PYVERBS_PTR_OFFSET + sizeof(void *)) return NULL;
-    return *(void **)((char *)obj + PYVERBS_PTR_OFFSET);
+/* The pointer-sized field `index` after PyverbsCM's head (0: the verbs object of QP, CQ, MWBindInfo;
+ * 1: MW's, after its `object pd`), or NULL when the object is too small to have it. */
+static void *pyverbs_field(PyObject *obj, size_t index) {
+    size_t offset = PYVERBS_PTR_OFFSET + index * sizeof(void *);
+    if ((size_t)Py_TYPE(obj)->tp_basicsize < offset + sizeof(void *)) return NULL;
+    return *(void **)((char *)obj + offset);
 }
+
+static void *pyverbs_ptr(PyObject *obj) { return pyverbs_field(obj, 0); }
 
 static PyObject *qp_handle(PyObject *self, PyObject *args) {
     PyObject *qp_obj;
@@ -217,15 +222,13 @@ static PyObject *mw_handle(PyObject *self, PyObject *args) {
     unsigned long rkey;
     unsigned long long context;
     if (!PyArg_ParseTuple(args, "OkK", &obj, &rkey, &context)) return NULL;
-    if ((size_t)Py_TYPE(obj)->tp_basicsize < PYVERBS_PTR_OFFSET + 2 * sizeof(void *)) goto bad;
-    struct ibv_mw *mw = *(struct ibv_mw **)((char *)obj + PYVERBS_PTR_OFFSET + sizeof(void *));
+    struct ibv_mw *mw = (struct ibv_mw *)pyverbs_field(obj, 1);
     if (mw == NULL || (uintptr_t)mw->context != (uintptr_t)context || mw->rkey != (uint32_t)rkey ||
-        mw->type != IBV_MW_TYPE_2)
-        goto bad;
+        mw->type != IBV_MW_TYPE_2) {
+        PyErr_SetString(PyExc_ValueError, "not a pyverbs type-2 MW with the expected layout");
+        return NULL;
+    }
     return PyLong_FromVoidPtr(mw);
-bad:
-    PyErr_SetString(PyExc_ValueError, "not a pyverbs type-2 MW with the expected layout");
-    return NULL;
 }
 
 /* pyverbs' MWBindInfo: PyverbsCM's head, then the ibv_mw_bind_info itself, whose first field is the

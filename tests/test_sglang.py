@@ -10,7 +10,6 @@ head_dim), and every check is on the bytes that arrived.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -42,16 +41,10 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from kvxfer.wire import messages as m  # noqa: E402
 
-from .sglang_env import make_tiny_llama, publish_rank  # noqa: E402
+from .sglang_env import free_ports, make_tiny_llama, publish_rank  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 BACKEND = TransferBackend("kvxfer")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Rank:
@@ -121,7 +114,7 @@ def pd(request, monkeypatch, tiny_model):
             pytest.skip(why)
         monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "20")
     monkeypatch.setenv("KVXFER_TRANSPORT", request.param)
-    port = _free_port()
+    port = free_ports(1)[0]
     server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
     prefill = Rank(DisaggregationMode.PREFILL, 24, port, context=24 * PAGE, model=tiny_model)
     decode = Rank(DisaggregationMode.DECODE, 48, port, context=24 * PAGE, model=tiny_model)
@@ -432,7 +425,7 @@ def test_an_early_send_waits_for_the_forward_pass_event(pd):
 
 
 def test_a_prefill_with_another_tp_size_is_refused_naming_both(tiny_model, monkeypatch):
-    port = _free_port()
+    port = free_ports(1)[0]
     server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
     prefill = Rank(DisaggregationMode.PREFILL, 8, port, context=8 * PAGE, model=tiny_model)
     decode = Rank(DisaggregationMode.DECODE, 8, port, context=8 * PAGE, model=tiny_model)

@@ -21,9 +21,10 @@ WORDS = ("the quick brown fox jumps over a lazy dog kv cache transfer prefill de
          "router engine page token layer attention tensor model request stream batch").split()
 
 
-def make_tiny_llama(out: Path) -> Path:
-    """A 2-layer Llama with hidden size 64 and random weights, and a byte-level BPE tokenizer trained
-    on a small word list; ``save_pretrained`` layout, float32. Idempotent (about 5 s)."""
+def make_tiny_llama(out: Path, *, hidden_size: int = 64, head_dim: int = 16) -> Path:
+    """A 2-layer Llama with random weights (4 attention heads, 2 KV heads; hidden size 64 and head size
+    16 unless given: vLLM's CPU attention needs a head size of 32 or more), and a byte-level BPE
+    tokenizer trained on a small word list; ``save_pretrained`` layout, float32. Idempotent (about 5 s)."""
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
@@ -48,8 +49,8 @@ def make_tiny_llama(out: Path) -> Path:
                           "{% if add_generation_prompt %}assistant:{% endif %}")
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                          rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=bos, eos_token_id=eos,
                          tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config)

@@ -1,0 +1,195 @@
+"""The scheduler half of kvxfer's vLLM connector: which requests send or load, and when vLLM may free.
+
+One instance per vLLM engine, in the EngineCore process; it never touches KV memory. It turns vLLM's
+scheduler calls into jobs for the workers (:class:`SendJob`, :class:`LoadJob`, aborts), carried in the
+step's connector metadata, and keeps the reasons of failed loads for the API server
+(:mod:`.outcomes`). Duck-typed on vLLM's ``Request`` (``request_id``, ``prompt_token_ids``,
+``kv_transfer_params``, ``status``, ``num_computed_tokens``), so it imports no vLLM module.
+
+Invariants:
+
+* prefill: a finished request with ``do_remote_decode`` is handed to the workers with its blocks and
+  its prompt binding, and ``request_finished`` returns ``delay_free=True``: vLLM frees the blocks only
+  when every worker reported the request in ``finished_sending`` (the decode's verified RESULT, a
+  decode's refusal, or the abandon timeout, ``meta_timeout``);
+* decode: a request with ``do_remote_prefill`` loads its whole prompt asynchronously; vLLM keeps it in
+  ``WAITING_FOR_REMOTE_KVS`` (and, if it is aborted meanwhile, keeps its blocks) until the workers
+  report it in ``finished_recving``, which they do only when kvxfer's request is terminal: verified
+  and bound to this prompt, or failed/aborted with the writer's drain proof or a fence;
+* a load whose params cannot be used is still handed to the workers, as a failure with its reason,
+  so every failure reaches vLLM the same way (``failed_recving``) and the client gets that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .binding import prompt_binding
+from .outcomes import LoadFailure, ReasonBook, ReasonServer, reason_address
+from .params import ParamsError, TransferParams, parse
+
+log = logging.getLogger("vllm.kvxfer.scheduler")
+
+SENT_STATES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+@dataclass
+class SendJob:
+    """Prefill: send the KV of ``request_id`` (``tokens`` prompt tokens in ``block_ids``)."""
+
+    request_id: str
+    block_ids: list[int]
+    tokens: int
+    binding: bytes
+
+
+@dataclass
+class LoadJob:
+    """Decode: load the KV named by ``params`` into ``block_ids``, bound to this prompt (``binding``);
+    or, with ``failure``, report that failure without loading."""
+
+    request_id: str
+    block_ids: list[int]
+    tokens: int
+    binding: bytes
+    params: TransferParams | None = None
+    failure: LoadFailure | None = None
+
+
+@dataclass
+class StepJobs:
+    """What one scheduler step hands the workers, in order: sends, loads, then aborts."""
+
+    sends: list[SendJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.sends or self.loads or self.aborts)
+
+
+def pages_for(tokens: int, block_size: int) -> int:
+    return -(-int(tokens) // int(block_size))
+
+
+class SchedulerSide:
+    """kvxfer's connector state in vLLM's scheduler (one per engine)."""
+
+    def __init__(self, *, engine_id: str, block_size: int, tp_size: int, producer: bool, consumer: bool,
+                 serve_reasons: bool = True) -> None:
+        self.engine_id, self.block_size, self.tp_size = engine_id, int(block_size), int(tp_size)
+        self.producer, self.consumer = producer, consumer
+        self.addresses: tuple[str, ...] = ()  # prefill: each TP rank's kvxfer engine (handshake metadata)
+        self._jobs = StepJobs()
+        self.sending: set[str] = set()  # prefill: handed to workers, not yet in finished_sending
+        self.loading: set[str] = set()  # decode: handed to workers, not yet in finished_recving
+        self.reasons = ReasonBook()
+        self.reason_server = ReasonServer(self.reasons, reason_address(engine_id)) if (consumer and serve_reasons) \
+            else None
+
+    # startup -----------------------------------------------------------------------------------------
+    def set_addresses(self, by_rank: dict[int, Any]) -> None:
+        """The workers' kvxfer addresses, from vLLM's handshake metadata (``{tp_rank: meta}``)."""
+        ranks = sorted(by_rank)
+        if ranks != list(range(self.tp_size)):
+            raise RuntimeError(f"kvxfer: handshake metadata from TP ranks {ranks}, expected 0..{self.tp_size - 1}")
+        self.addresses = tuple(str(by_rank[r].address) for r in ranks)
+
+    # decode --------------------------------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (self.consumer and isinstance(params, dict) and params.get("do_remote_prefill")):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - int(num_computed_tokens)
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not (self.consumer and isinstance(params, dict) and params.get("do_remote_prefill")):
+            return
+        params["do_remote_prefill"] = False  # one load per request
+        if num_external_tokens <= 0:
+            return
+        rid = str(request.request_id)
+        prompt = list(request.prompt_token_ids or ())
+        tokens = len(prompt)
+        pages = pages_for(tokens, self.block_size)
+        job = LoadJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]], tokens=tokens,
+                      binding=prompt_binding(prompt))
+        try:
+            job.params = parse(params)
+        except ParamsError as exc:
+            job.failure = LoadFailure(400, "invalid_params", str(exc))
+        else:
+            job.failure = self._load_problem(job)
+        if job.failure is None and len(job.block_ids) != pages:
+            job.failure = LoadFailure(503, "blocks", f"vLLM gave {len(job.block_ids)} blocks for a prompt of "
+                                                     f"{tokens} tokens ({pages} blocks of {self.block_size})")
+        self._jobs.loads.append(job)
+        self.loading.add(rid)
+
+    def _load_problem(self, job: LoadJob) -> LoadFailure | None:
+        params = job.params
+        assert params is not None
+        if params.tokens != job.tokens:
+            return LoadFailure(400, "size_mismatch",
+                               f"the prompt has {job.tokens} tokens, the KV named by kv_transfer_params (request "
+                               f"{params.request_id!r}) was computed for {params.tokens}")
+        if params.tp_size != self.tp_size:
+            return LoadFailure(500, "unsupported_layout",
+                               f"prefill tensor parallel size {params.tp_size} != decode {self.tp_size} "
+                               "(kvxfer's vLLM connector needs equal TP sizes for now)")
+        if params.block_size != self.block_size:
+            return LoadFailure(500, "unsupported_layout",
+                               f"prefill block size {params.block_size} != decode {self.block_size} "
+                               "(kvxfer's vLLM connector needs equal block sizes for now)")
+        return None
+
+    # both ----------------------------------------------------------------------------------------
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: (delay the free?, params for the client)."""
+        params = request.kv_transfer_params
+        rid = str(request.request_id)
+        if self.consumer and rid in self.loading:
+            # aborted (or failed) while its load is in flight: vLLM keeps the blocks until the
+            # workers report it finished, which they do once the writer drained or was fenced
+            self._jobs.aborts.append(rid)
+            return False, None
+        if not (self.producer and isinstance(params, dict) and params.get("do_remote_decode")):
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", str(getattr(request, "status", "")))
+        if status not in SENT_STATES or not block_ids:
+            return False, None  # aborted or failed before its KV was complete: nothing to send
+        prompt = list(request.prompt_token_ids or ())
+        tokens = len(prompt)
+        if int(request.num_computed_tokens) < tokens or not self.addresses:
+            return False, None
+        pages = pages_for(tokens, self.block_size)
+        self._jobs.sends.append(SendJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]],
+                                        tokens=tokens, binding=prompt_binding(prompt)))
+        self.sending.add(rid)
+        out = TransferParams(engine_id=self.engine_id, request_id=rid, addresses=self.addresses, tokens=tokens,
+                             tp_size=self.tp_size, block_size=self.block_size)
+        return True, out.to_json()
+
+    def take_jobs(self) -> StepJobs:
+        jobs, self._jobs = self._jobs, StepJobs()
+        return jobs
+
+    def on_output(self, finished_sending: Any, finished_recving: Any, reasons: dict[str, LoadFailure]) -> None:
+        for rid in finished_sending or ():
+            self.sending.discard(rid)
+        for rid in finished_recving or ():
+            self.loading.discard(rid)
+        for rid, failure in reasons.items():
+            self.reasons.record(rid, failure)
+            log.warning("kvxfer: request %s failed to load (HTTP %d): %s", rid, failure.status, failure.message())
+
+    def pending_push(self) -> bool:
+        return bool(self.sending)
+
+    def close(self) -> None:
+        if self.reason_server is not None:
+            self.reason_server.close()

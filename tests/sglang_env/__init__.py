@@ -127,14 +127,15 @@ def free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
 class Server:
     """One server process (and everything it spawns) in its own process group, with its log file."""
 
-    def __init__(self, name: str, args: list[str], *, env: dict[str, str], log_dir: Path) -> None:
-        self.name, self.args, self.env = name, args, env
+    def __init__(self, name: str, args: list[str], *, env: dict[str, str], log_dir: Path,
+                 executable: str = sys.executable) -> None:
+        self.name, self.args, self.env, self.executable = name, args, env, executable
         self.log_path = Path(log_dir) / f"{name}.log"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> Server:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
-        self.process = subprocess.Popen([sys.executable, *self.args], env=self.env, stdout=log,
+        self.process = subprocess.Popen([self.executable, *self.args], env=self.env, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return self

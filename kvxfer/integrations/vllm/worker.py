@@ -233,6 +233,10 @@ class WorkerSide:
                 if req is not None and req.error is not None and getattr(req.error, "reason", "") == "timeout":
                     outcome = "abandoned"  # no decode asked for it within meta_timeout: blocks back to vLLM
                 self.stats[f"sent_{outcome}"] += 1
+                if outcome != "succeeded":
+                    log.warning("kvxfer: request %s %s (%s); its %d blocks go back to vLLM (%s so far: %d)", rid,
+                                outcome, req.error if req is not None else "not admitted", len(job.block_ids),
+                                outcome, self.stats[f"sent_{outcome}"])
                 try:  # single use: a destination for this request from now on gets REJECT at once
                     self.engine.refuse(rid, "consumed", "the KV of this request was already delivered, refused "
                                                         "or expired: kv_transfer_params can be used once")
@@ -266,6 +270,9 @@ class WorkerSide:
                         self.engine.release(job.params.request_id, generation=req.gen)
                     elif req.state in TERMINAL_R:
                         failure = classify(req.error)
+                        if failure.status >= 500:
+                            failure = LoadFailure(failure.status, failure.reason, f"from the prefill at "
+                                                  f"{job.params.addresses[self.tp_rank]}: {failure.text}")
                     else:
                         continue  # in flight, verifying, or quarantined until drained or fenced
             with self.lock:

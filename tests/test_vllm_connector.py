@@ -1,0 +1,274 @@
+"""kvxfer's vLLM connector halves without vLLM: the scheduler half on duck-typed requests, the worker
+half on real kvxfer engines (real ZMQ and TCP on loopback), the reason channel on a real socket, and
+the settings. What only vLLM can show (its scheduler, its HTTP statuses) is in test_vllm_e2e.py."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import AdmissionRejected, ConfigError, TransferFailed, VerificationFailed
+from kvxfer.integrations.vllm.binding import prompt_binding
+from kvxfer.integrations.vllm.outcomes import (
+    LoadFailure,
+    ReasonBook,
+    ReasonServer,
+    ask_reason,
+    classify,
+    reason_address,
+)
+from kvxfer.integrations.vllm.params import ParamsError, parse
+from kvxfer.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.integrations.vllm.settings import engine_config
+from kvxfer.integrations.vllm.worker import WorkerSide
+
+from .conftest import fill_random, make_layout
+
+BLOCK = 16
+
+
+def request(rid: str, tokens: list[int], params: dict | None, status: str = "FINISHED_LENGTH_CAPPED"):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(tokens), kv_transfer_params=params,
+                           status=SimpleNamespace(name=status), num_computed_tokens=len(tokens))
+
+
+class Pair:
+    """A prefill and a decode 'engine' as vLLM would run them: scheduler half + one worker each."""
+
+    def __init__(self, **config) -> None:
+        base = dict(heartbeat_interval=0.2, **config)
+        self.p_layout, self.d_layout = make_layout(64, page_size=BLOCK), make_layout(64, page_size=BLOCK)
+        self.p_worker = WorkerSide(producer=True, config=engine_config(512, base, 0, environ={}), tp_rank=0)
+        self.d_worker = WorkerSide(producer=False, config=engine_config(512, base, 0, environ={}), tp_rank=0)
+        self.p_worker.register(self.p_layout)
+        self.d_worker.register(self.d_layout)
+        self.p_sched = SchedulerSide(engine_id="p", block_size=BLOCK, tp_size=1, producer=True, consumer=False)
+        self.d_sched = SchedulerSide(engine_id=f"d-{id(self)}", block_size=BLOCK, tp_size=1, producer=False,
+                                     consumer=True)
+        self.p_sched.set_addresses({0: SimpleNamespace(address=self.p_worker.address)})
+        self.sent: set[str] = set()
+        self.received: set[str] = set()
+        self.failed: set[str] = set()
+
+    def prefill(self, rid: str, tokens: list[int], blocks: list[int]) -> dict:
+        fill_random(self.p_layout, np.asarray(blocks), seed=len(rid))
+        delay, params = self.p_sched.finished(request(rid, tokens, {"do_remote_decode": True}), blocks)
+        assert delay and params is not None
+        self.p_worker.take(self.p_sched.take_jobs())
+        return params
+
+    def decode(self, rid: str, tokens: list[int], params: dict, blocks: list[int]) -> None:
+        req = request(rid, tokens, dict(params), status="WAITING_FOR_REMOTE_KVS")
+        count, is_async = self.d_sched.matched_tokens(req, 0)
+        assert count == len(tokens) and is_async
+        self.d_sched.after_alloc(req, blocks, count)
+        self.d_worker.take(self.d_sched.take_jobs())
+
+    def step(self) -> None:
+        """One vLLM step on both engines: results to the scheduler halves, new jobs to the workers."""
+        for sched, worker in ((self.p_sched, self.p_worker), (self.d_sched, self.d_worker)):
+            worker.take(sched.take_jobs())
+            sent, received, failed = worker.results()
+            sched.on_output(sent, received, worker.take_reasons())
+            self.sent |= sent
+            self.received |= received
+            self.failed |= failed
+
+    def until(self, predicate, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            self.step()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for side in (self.p_worker, self.d_worker):
+            side.engine.check_accounting()
+            side.close()
+        self.d_sched.close()
+
+
+@pytest.fixture
+def pair():
+    made = []
+
+    def factory(**config) -> Pair:
+        made.append(Pair(**config))
+        return made[-1]
+
+    yield factory
+    for p in made:
+        p.close()
+
+
+PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks of 16
+
+
+def test_a_load_is_verified_bound_and_reported_once_and_the_blocks_hold_the_prefill_kv(pair):
+    p = pair()
+    params = p.prefill("req-a", PROMPT, [5, 6, 7])
+    p.decode("dec-a", PROMPT, params, [20, 21, 22])
+    p.until(lambda: "dec-a" in p.received and "req-a" in p.sent)
+    assert not p.failed
+    for src, dst in zip(p.p_layout.views(), p.d_layout.views()):
+        assert (src[[5, 6, 7]] == dst[[20, 21, 22]]).all()
+    assert p.d_worker.stats["loaded"] == 1 and p.p_worker.stats["sent_succeeded"] == 1
+    assert p.d_worker.engine.stats()["pages"]["free"] == 64, "a verified load must leave the blocks to vLLM"
+    assert not p.p_sched.sending and not p.d_sched.loading
+    # the same params again: refused by the prefill at once, with the reason, as the client's fault
+    p.decode("dec-replay", PROMPT, params, [30, 31, 32])
+    p.until(lambda: "dec-replay" in p.received)
+    assert "dec-replay" in p.failed
+    failure = p.d_sched.reasons.lookup("dec-replay")
+    assert failure.status == 400 and failure.reason == "consumed", failure
+
+
+def test_b_kv_of_another_prompt_of_the_same_length_is_refused_after_verification(pair):
+    p = pair()
+    params = p.prefill("req-b", PROMPT, [1, 2, 3])
+    other = [t + 1 for t in PROMPT]
+    p.decode("dec-b", other, params, [40, 41, 42])
+    p.until(lambda: "dec-b" in p.received)
+    assert "dec-b" in p.failed and p.d_worker.stats["binding_refused"] == 1
+    failure = p.d_sched.reasons.lookup("dec-b")
+    assert failure.status == 400 and failure.reason == "prompt_mismatch"
+    assert p.d_worker.engine.stats()["pages"]["free"] == 64
+
+
+def test_c_bad_params_fail_before_any_page_is_reserved(pair):
+    p = pair()
+    params = p.prefill("req-c", PROMPT, [8, 9, 10])
+    cases = {
+        "dec-junk": ({"do_remote_prefill": True, "kvxfer": "junk"}, PROMPT, "invalid_params", 400),
+        "dec-size": (params, PROMPT + [1], "size_mismatch", 400),
+        "dec-tp": ({**params, "kvxfer": {**params["kvxfer"], "tp_size": 2,
+                                        "addresses": params["kvxfer"]["addresses"] * 2}}, PROMPT,
+                   "unsupported_layout", 500),
+    }
+    for rid, (bad, tokens, _, _) in cases.items():
+        p.decode(rid, tokens, bad, [50, 51, 52, 53][: -(-len(tokens) // BLOCK)])
+    p.until(lambda: set(cases) <= p.received)
+    for rid, (_, _, reason, status) in cases.items():
+        failure = p.d_sched.reasons.lookup(rid)
+        assert (failure.reason, failure.status) == (reason, status), failure
+    assert p.d_worker.engine.stats()["requests"].get("admitted", 0) == 0
+
+
+def test_d_an_abort_mid_load_is_reported_only_once_kvxfer_holds_nothing_for_it(pair):
+    p = pair()
+    for rid, admitted_first in (("dec-d1", True), ("dec-d2", False)):
+        params = p.prefill(f"req-{rid}", PROMPT, [11, 12, 13])
+        req = request(rid, PROMPT, dict(params), status="WAITING_FOR_REMOTE_KVS")
+        p.d_sched.after_alloc(req, [60, 61, 62], len(PROMPT))
+        p.d_worker.take(p.d_sched.take_jobs())
+        if admitted_first:  # the destination reached the prefill; abort while the load is in flight
+            deadline = time.monotonic() + 10
+            while p.d_worker.loads[rid].generation is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert p.d_sched.finished(req, [60, 61, 62]) == (False, None)  # vLLM itself holds the blocks meanwhile
+        jobs = p.d_sched.take_jobs()
+        assert jobs.aborts == [rid]
+        p.d_worker.take(jobs)
+        deadline = time.monotonic() + 10
+        while True:
+            _, received, failed = p.d_worker.results()
+            if rid in received:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert rid not in failed  # an aborted request is not a failed load
+        if admitted_first:  # reported only once kvxfer's request is terminal (drained or fenced)
+            assert p.d_worker.engine.status(f"req-{rid}").fsm.terminal
+        assert p.d_worker.engine.stats()["pages"]["free"] == 64
+        assert p.d_worker.stats["load_aborted"] == (1 if admitted_first else 2)
+
+
+def test_e_an_abandoned_prefill_gives_its_blocks_back_after_meta_timeout_counted(pair):
+    p = pair(meta_timeout=0.5)
+    p.prefill("req-e", PROMPT, [14, 15, 16])
+    p.until(lambda: "req-e" in p.sent, timeout=5)
+    assert p.p_worker.stats["sent_abandoned"] == 1 and not p.p_sched.sending
+
+
+def test_f_an_unreachable_prefill_is_a_503_naming_its_address(pair):
+    p = pair()
+    params = p.prefill("req-f", PROMPT, [17, 18, 19])
+    dead = {**params, "kvxfer": {**params["kvxfer"], "addresses": ["tcp://127.0.0.1:9"]}}
+    p.d_worker.peer_timeout = 1.0
+    p.decode("dec-f", PROMPT, dead, [1, 2, 3])
+    p.until(lambda: "dec-f" in p.received, timeout=15)
+    failure = p.d_sched.reasons.lookup("dec-f")
+    assert failure.status == 503 and "tcp://127.0.0.1:9" in failure.text, failure
+
+
+def test_binding_is_equal_only_for_equal_token_sequences():
+    assert prompt_binding([1, 2, 3]) == prompt_binding(np.array([1, 2, 3]))
+    assert prompt_binding([1, 2, 3]) != prompt_binding([1, 2, 4])
+    assert prompt_binding([1, 2]) != prompt_binding([1, 2, 0])
+    assert len(prompt_binding([])) == 32
+
+
+def test_params_name_the_first_bad_field():
+    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+            "kvxfer": {"version": 1, "addresses": ["tcp://127.0.0.1:5000"], "tokens": 3, "tp_size": 1,
+                       "block_size": 16}}
+    assert parse(good).addresses == ("tcp://127.0.0.1:5000",)
+    for change, needle in (({"remote_request_id": ""}, "remote_request_id"),
+                           ({"kvxfer": {**good["kvxfer"], "version": 9}}, "version"),
+                           ({"kvxfer": {**good["kvxfer"], "addresses": ["http://x"]}}, "addresses"),
+                           ({"kvxfer": {**good["kvxfer"], "tokens": True}}, "tokens"),
+                           ({"kvxfer": {**good["kvxfer"], "tp_size": 2}}, "tp_size")):
+        with pytest.raises(ParamsError, match=needle):
+            parse({**good, **change})
+    with pytest.raises(ParamsError, match="object"):
+        parse([1])
+
+
+def test_failures_are_classified_by_whose_fault():
+    assert classify(AdmissionRejected("x", reason="consumed")).status == 400
+    assert classify(AdmissionRejected("x", reason="exceeds_context")).status == 400
+    assert classify(TransferFailed("x", reason="connection")).status == 503
+    assert classify(VerificationFailed("x", check="checksum")).status == 502
+    assert classify(None).status == 503
+
+
+def test_reasons_travel_to_the_api_server_on_a_local_socket():
+    book = ReasonBook()
+    address = reason_address(f"test-{time.monotonic_ns()}")
+    server = ReasonServer(book, address)
+    try:
+        book.record("cmpl-abc-0-1234", LoadFailure(400, "consumed", "used once"))
+        found = ask_reason(address, "cmpl-abc")  # the API server knows the id without vLLM's suffixes
+        assert found == LoadFailure(400, "consumed", "used once")
+        assert ask_reason(address, "cmpl-other") is None
+    finally:
+        server.close()
+        server.close()  # idempotent
+    t0 = time.monotonic()
+    assert ask_reason(address, "cmpl-abc", timeout=0.3) is None  # nobody serves: vLLM's own 500 stays
+    assert time.monotonic() - t0 < 2
+
+
+def test_reason_book_is_bounded():
+    book = ReasonBook(limit=3)
+    for i in range(5):
+        book.record(f"r{i}", LoadFailure(503, "x", str(i)))
+    assert book.lookup("r0") is None and book.lookup("r4").text == "4"
+
+
+def test_settings_come_from_the_environment_and_the_extra_config():
+    config = engine_config(1024, {"drain_timeout": 4.0}, 2,
+                           environ={"KVXFER_META_TIMEOUT": "7", "KVXFER_CONTROL_PORT": "41000",
+                                    "KVXFER_FREE_POLICY": "zero", "KVXFER_DRAIN_TIMEOUT": "9"})
+    assert config.max_context == 1024 and config.meta_timeout == 7.0
+    assert config.drain_timeout == 4.0, "the extra config wins over the variable"
+    assert config.control_port == 41002, "rank r binds the fixed port + r"
+    assert config.free_policy == "keep", "vLLM owns the bytes of its blocks"
+    with pytest.raises(ConfigError, match="unknown kvxfer setting"):
+        engine_config(1024, {"no_such": 1}, 0, environ={})
+    with pytest.raises(ConfigError, match="KVXFER_META_TIMEOUT"):
+        engine_config(1024, {}, 0, environ={"KVXFER_META_TIMEOUT": "soon"})

@@ -42,9 +42,9 @@ META_TIMEOUT, DRAIN_TIMEOUT = 12, 3  # prefill: abandon after; decode: an aborte
 MODEL = "tiny"
 
 
-def connector(role: str) -> str:
+def connector(role: str, **more: str) -> str:
     return json.dumps({"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
-                       "kv_role": role})
+                       "kv_role": role, **more})
 
 
 def prompt_of(n_words: int, salt: int = 0) -> str:
@@ -55,8 +55,8 @@ class Cluster:
     """Reference, prefill and decode vLLM servers, with their ports."""
 
     def __init__(self, model: str, logs: Path) -> None:
-        (self.ref_port, self.prefill_port, self.decode_port, self.prefill_metrics,
-         self.decode_metrics) = free_ports(5)
+        (self.ref_port, self.prefill_port, self.decode_port, self.recompute_port, self.prefill_metrics,
+         self.decode_metrics, self.recompute_metrics) = free_ports(7)
         # the servers get only the settings given here (the session marker stays: it finds leftovers)
         env = {k: v for k, v in os.environ.items()
                if k == SESSION_MARKER or not (k.startswith(("KVXFER_", "VLLM_")) or k == "PYTHONPATH")}
@@ -79,7 +79,12 @@ class Cluster:
                              ["--no-enable-prefix-caching", "--kv-transfer-config", connector("kv_consumer")],
                              {"KVXFER_DRAIN_TIMEOUT": str(DRAIN_TIMEOUT), "KVXFER_TRANSFER_TIMEOUT": "30",
                               "KVXFER_METRICS_PORT": str(self.decode_metrics)})
-        self.servers = [self.ref, self.prefill, self.decode]
+        # a second decode whose failed loads are recomputed (vLLM's kv_load_failure_policy "recompute")
+        self.recompute = server("decode-recompute", self.recompute_port, 1,
+                                ["--no-enable-prefix-caching", "--kv-transfer-config",
+                                 connector("kv_consumer", kv_load_failure_policy="recompute")],
+                                {"KVXFER_METRICS_PORT": str(self.recompute_metrics)})
+        self.servers = [self.ref, self.prefill, self.decode, self.recompute]
 
     @staticmethod
     def url(port: int) -> str:
@@ -89,7 +94,7 @@ class Cluster:
         for server in self.servers:
             server.start()
         for server, port in ((self.ref, self.ref_port), (self.prefill, self.prefill_port),
-                             (self.decode, self.decode_port)):
+                             (self.decode, self.decode_port), (self.recompute, self.recompute_port)):
             server.wait_ready(self.url(port) + "/health", timeout=600)
 
     def stop(self) -> None:
@@ -144,8 +149,10 @@ class Cluster:
 
     def held(self) -> dict[str, float]:
         """What the servers still hold for transfers: vLLM blocks in use, kvxfer pages not FREE."""
-        out = {"prefill_usage": self.kv_usage(self.prefill_port), "decode_usage": self.kv_usage(self.decode_port)}
-        for side, port in (("prefill", self.prefill_metrics), ("decode", self.decode_metrics)):
+        out = {"prefill_usage": self.kv_usage(self.prefill_port), "decode_usage": self.kv_usage(self.decode_port),
+               "recompute_usage": self.kv_usage(self.recompute_port)}
+        for side, port in (("prefill", self.prefill_metrics), ("decode", self.decode_metrics),
+                           ("recompute", self.recompute_metrics)):
             for key, value in self.kvxfer(port).items():
                 if key.startswith("state:") and key != "state:free" and value:
                     out[f"{side}_{key}"] = value
@@ -259,6 +266,23 @@ def test_c_swapped_replayed_and_forged_params_are_refused_with_a_4xx_and_a_reaso
     assert not any(cluster.wait_nothing_held(META_TIMEOUT + 10).values())
 
 
+def test_c2_with_the_recompute_policy_refused_kv_is_recomputed_never_used(cluster):
+    a = [1] + [20 + (i * 3) % 200 for i in range(50)]
+    b = [1] + [20 + (i * 13) % 200 for i in range(50)]
+    before = cluster.kvxfer(cluster.recompute_metrics).get("outcome:RELEASED", 0)
+    params_a = cluster.prefill_params(a)
+    status, out = cluster.complete(cluster.recompute_port, b, params=params_a)  # a's KV under b's prompt
+    assert status == 200 and out["choices"][0]["token_ids"] == cluster.reference(b), out
+    status, out = cluster.complete(cluster.recompute_port, a, params=params_a)  # replayed: recomputed too
+    assert status == 200 and out["choices"][0]["token_ids"] == cluster.reference(a), out
+    # and an honest request on that server still loads through kvxfer
+    status, out = cluster.complete(cluster.recompute_port, b, params=cluster.prefill_params(b))
+    assert status == 200 and out["choices"][0]["token_ids"] == cluster.reference(b), out
+    after = cluster.kvxfer(cluster.recompute_metrics).get("outcome:RELEASED", 0)
+    assert after - before == 2, "the swapped load and the honest one both verified; only the honest one was used"
+    assert not any(cluster.wait_nothing_held().values())
+
+
 def test_d_a_client_disconnecting_mid_decode_leaves_nothing_held(cluster):
     for attempt in range(3):
         prompt = prompt_of(60, salt=200 + attempt)
@@ -356,3 +380,20 @@ def test_g_a_prefill_killed_mid_transfer_fails_the_load_fast_and_a_restart_serve
 def test_h_afterwards_no_block_or_page_is_held_on_either_server(cluster):
     held = cluster.wait_nothing_held()
     assert not any(held.values()), held
+
+
+def test_i_the_general_plugin_registers_the_connector_name_and_the_status_hook():
+    """``vllm.general_plugins`` (kvxfer's entry point) runs in every vLLM process: the name alone then
+    resolves, without kv_connector_module_path, and the API server maps load failures to statuses."""
+    import subprocess
+
+    code = ("import vllm.entrypoints.openai.api_server\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+            "from vllm.entrypoints.generate.base.serving import GenerateBaseServing\n"
+            "cls = KVConnectorFactory.get_connector_class_by_name('KvxferConnector')\n"
+            "print(cls.__module__, getattr(GenerateBaseServing._raise_if_error, '_kvxfer_wrapped', False))\n")
+    out = subprocess.run([str(PYTHON), "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["kvxfer.integrations.vllm.connector", "True"], out.stdout

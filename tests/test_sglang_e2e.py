@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
 pytest.importorskip("sglang_router", reason="sglang-router not installed (python3 tools/install_sglang.py)")
 
-from .sglang_env import CPU_FLAGS, HERE, PortTaken, Server, free_ports, make_tiny_llama, request_json  # noqa: E402
+from .sglang_env import CPU_FLAGS, HERE, Server, free_ports, make_tiny_llama, request_json, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -125,30 +125,8 @@ class Cluster:
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-e2e")
     model = str(make_tiny_llama(root / "tiny-llama"))
-    for attempt in range(3):  # new ports when one was taken before its server bound it
-        logs = root / f"try{attempt}"
-        logs.mkdir()
-        c = Cluster(model, logs)
-        try:
-            c.start()
-            break
-        except PortTaken:
-            _stop_all(c)
-            if attempt == 2:
-                raise
-        except BaseException:
-            _stop_all(c)
-            raise
-    try:
-        yield c
-    finally:
-        _stop_all(c)
-
-
-def _stop_all(c: Cluster) -> None:
-    c.stop()
-    left = {s.name: s.members() for s in c.servers if s.members()}
-    assert not left, f"server processes survived: {left}"
+    with running(lambda logs: Cluster(model, logs), root) as started:
+        yield started
 
 
 def _wait_no_transfer_holds(cluster: Cluster, timeout: float = 30.0) -> dict[str, float]:

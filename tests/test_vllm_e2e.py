@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import SESSION_MARKER
-from .sglang_env import WORDS, PortTaken, Server, free_ports, make_tiny_llama, request_json
+from .sglang_env import WORDS, Server, free_ports, make_tiny_llama, request_json, running
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("KVXFER_VLLM_VENV") or ROOT / ".venv-vllm")
@@ -171,30 +171,8 @@ class Cluster:
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = str(make_tiny_llama(root / "tiny-llama-32", hidden_size=128, head_dim=32))
-    for attempt in range(3):  # new ports when one was taken before its server bound it
-        logs = root / f"try{attempt}"
-        logs.mkdir()
-        c = Cluster(model, logs)
-        try:
-            c.start()
-            break
-        except PortTaken:
-            _stop_all(c)
-            if attempt == 2:
-                raise
-        except BaseException:
-            _stop_all(c)
-            raise
-    try:
-        yield c
-    finally:
-        _stop_all(c)
-
-
-def _stop_all(c: Cluster) -> None:
-    c.stop()
-    left = {s.name: s.members() for s in c.servers if s.members()}
-    assert not left, f"server processes survived: {left}"
+    with running(lambda logs: Cluster(model, logs), root) as started:
+        yield started
 
 
 def _message(out: dict) -> str:

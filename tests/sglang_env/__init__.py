@@ -12,6 +12,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,34 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+@contextmanager
+def running(make: Callable[[Path], Any], root: Path, tries: int = 3) -> Iterator[Any]:
+    """A cluster (``start()``, ``stop()``, ``servers``) made by ``make(log_dir)`` and started; made again
+    with new ports when a server's port was taken before it bound it. On the way out, and on any
+    failure to start, every server is stopped and none may be left."""
+    for attempt in range(tries):
+        logs = Path(root) / f"try{attempt}"
+        logs.mkdir()
+        cluster = make(logs)
+        try:
+            cluster.start()
+            break
+        except PortTaken:
+            stop_all(cluster)
+            if attempt == tries - 1:
+                raise
+        except BaseException:
+            stop_all(cluster)
+            raise
+    try:
+        yield cluster
+    finally:
+        stop_all(cluster)
+
+
+def stop_all(cluster: Any) -> None:
+    cluster.stop()
+    left = {s.name: s.members() for s in cluster.servers if s.members()}
+    assert not left, f"server processes survived: {left}"

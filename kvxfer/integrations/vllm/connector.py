@@ -43,11 +43,15 @@ TESTED_VERSIONS = ("0.32.0",)
 
 @dataclass
 class KvxferMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, each step: the sends, loads and aborts to carry out (taken once)."""
+
     jobs: StepJobs = field(default_factory=StepJobs)
 
 
 @dataclass
 class KvxferWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, each step: why loads failed, by vLLM request id (merged over TP ranks)."""
+
     reasons: dict[str, LoadFailure] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -58,6 +62,8 @@ class KvxferWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class KvxferHandshake(KVConnectorHandshakeMetadata):
+    """A prefill worker's kvxfer engine, collected by vLLM once at startup for the scheduler half."""
+
     address: str
     engine_id: str
     tp_rank: int

@@ -189,23 +189,29 @@ class KVLayout:
             "item_lens": [int(x) for x in self.item_lens],
         }
 
+    def describe(self) -> str:
+        """This layout in a few words, the way refusals name both sides: buffers, bytes per page of
+        each (runs of equal lengths folded), tokens per page."""
+        return describe_layout(self.page_size, [int(x) for x in self.item_lens])
+
     def check_compatible(self, peer: dict[str, Any], *, peer_name: str = "peer") -> None:
-        """Raise :class:`ConfigError` naming the first difference from a peer's descriptor."""
-        if int(peer["page_size"]) != self.page_size:
-            raise ConfigError(
-                f"layout mismatch with {peer_name}: page_size {peer['page_size']} tokens "
-                f"!= local {self.page_size}"
-            )
+        """Raise :class:`ConfigError` naming both layouts and the first difference from a peer's descriptor."""
         theirs = [int(x) for x in peer["item_lens"]]
-        if len(theirs) != self.num_buffers:
+        difference = ""
+        if int(peer["page_size"]) != self.page_size:
+            difference = f"page_size {peer['page_size']} tokens != local {self.page_size}"
+        elif len(theirs) != self.num_buffers:
+            difference = f"{len(theirs)} buffers != local {self.num_buffers}"
+        else:
+            for index, (a, b) in enumerate(zip(theirs, self.item_lens)):
+                if a != int(b):
+                    difference = f"buffer {index} item_len {a} != local {int(b)}"
+                    break
+        if difference:
             raise ConfigError(
-                f"layout mismatch with {peer_name}: {len(theirs)} buffers != local {self.num_buffers}"
+                f"layout mismatch with {peer_name}: {difference} (theirs: "
+                f"{describe_layout(int(peer['page_size']), theirs)}; local: {self.describe()})"
             )
-        for index, (a, b) in enumerate(zip(theirs, self.item_lens)):
-            if a != int(b):
-                raise ConfigError(
-                    f"layout mismatch with {peer_name}: buffer {index} item_len {a} != local {int(b)}"
-                )
 
     def _check_no_overlap(self) -> None:
         spans = sorted(
@@ -222,3 +228,18 @@ class KVLayout:
             f"KVLayout(buffers={self.num_buffers}, num_pages={self.num_pages}, "
             f"page_size={self.page_size}, page_bytes={self.page_bytes})"
         )
+
+
+def describe_layout(page_size: int, item_lens: Sequence[int]) -> str:
+    """``"4 buffers of 1024 B/page, 16 tokens/page"`` (``"2 x 1024 + 2 x 512 B/page"`` when they differ)."""
+    runs: list[list[int]] = []
+    for n in item_lens:
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, int(n)])
+    if len(runs) == 1:
+        sizes = f"{runs[0][0]} buffer{'s' if runs[0][0] != 1 else ''} of {runs[0][1]} B/page"
+    else:
+        sizes = " + ".join(f"{count} x {n}" for count, n in runs) + " B/page"
+    return f"{sizes}, {page_size} tokens/page"

@@ -7,9 +7,10 @@ import secrets
 import time
 from typing import Any
 
+from ..core.arguments import check_rid
 from ..core.layout import KVLayout
 from ..core.lifecycle import ReceiverState
-from ..errors import ConfigError, PeerError, ProtocolError, TransferFailed
+from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, TransferFailed
 from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
@@ -52,13 +53,7 @@ class DecodeEngine(EngineBase):
         """Peer with the prefill engine at ``prefill_address``; returns its engine id."""
         self._check_open()
         session = secrets.token_bytes(16)
-        hello = m.Hello(
-            engine=self.engine_id, role="decode", session=session, reply_to=self.address,
-            transport=self.config.transport,
-            page_size=self.layout.page_size, num_pages=self.layout.num_pages,
-            item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
-            max_context=self.config.max_context, checksum=self.config.checksum,
-        )
+        hello = self._hello(session)
         with self.lock:
             self._pending_hello[session] = {"address": prefill_address, "error": None, "peer": None}
         self.control.send(prefill_address, hello)
@@ -79,6 +74,46 @@ class DecodeEngine(EngineBase):
                     del self._pending_hello[session]
                     raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
                 self.receiver.changed.wait(min(left, 0.1))
+
+    def _hello(self, session: bytes) -> m.Hello:
+        return m.Hello(
+            engine=self.engine_id, role="decode", session=session, reply_to=self.address,
+            transport=self.config.transport,
+            page_size=self.layout.page_size, num_pages=self.layout.num_pages,
+            item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
+            max_context=self.config.max_context, checksum=self.config.checksum,
+        )
+
+    def refuse(self, rid: Any, prefill_address: str, *, reason: str = "refused",
+               detail: str = "the decode will not take this request") -> int:
+        """Tell the prefill at ``prefill_address`` that this decode will not take request ``rid``
+        (nothing is reserved here): the prefill's half fails at once with ``detail``, or its admission
+        does when it has not admitted ``rid`` yet. For what a decode refuses before its own admission
+        runs (a layout it cannot serve, a setting it does not support).
+
+        Works whether or not the two are peered: without a peering this sends a HELLO first, on the
+        same ordered control socket, and a prefill that refuses that HELLO for this decode's layout or
+        a full peer table still takes its REJECTs (for its ``meta_timeout``). A HELLO it accepts starts
+        a peering, as :meth:`connect` would. Nothing waits for an answer. Returns the generation that
+        names this refusal."""
+        self._check_open()
+        rid = check_rid(rid)
+        if not isinstance(reason, str) or not isinstance(detail, str) or not isinstance(prefill_address, str):
+            raise InvalidArgument("reason, detail and prefill_address must be strings", rid=rid)
+        with self.lock:
+            gen = self.receiver.new_generation()
+            peered = any(p.control == prefill_address for p in self.receiver.peers.values())
+            hello = None
+            if not peered:
+                session = secrets.token_bytes(16)
+                self._pending_hello[session] = {"address": prefill_address, "error": None, "peer": None,
+                                                "detached_until": time.monotonic() + self.config.peer_timeout}
+                hello = self._hello(session)
+            self.counters["refused_requests"] += 1
+        if hello is not None:
+            self.control.send(prefill_address, hello)
+        self.control.send(prefill_address, m.Reject(rid=rid, gen=gen, reason=reason[:200], detail=detail[:4000]))
+        return gen
 
     def _dispatch(self, identity: str, msg: m.Message) -> None:
         if isinstance(msg, m.HelloAck):
@@ -129,6 +164,8 @@ class DecodeEngine(EngineBase):
                     )
                 except ConfigError as exc:
                     problem = str(exc)
+            if "detached_until" in entry:  # a HELLO of refuse(): nobody waits for this answer
+                del self._pending_hello[msg.session]
             old = self.receiver.peers.get(identity)
             if problem:
                 entry["error"] = problem
@@ -264,6 +301,9 @@ class DecodeEngine(EngineBase):
         for conn, reason in self.receiver.tick():
             self.fence(conn, reason)
         now = time.monotonic()
+        with self.lock:  # refuse()'s HELLOs that no answer came for
+            for session in [k for k, e in self._pending_hello.items() if e.get("detached_until", now + 1) <= now]:
+                del self._pending_hello[session]
         dead = []
         offers = []
         with self.lock:

@@ -58,6 +58,8 @@ class PrefillEngine(EngineBase):
             **self._role_settings(),
         )
         self.peers: dict[str, _Peer] = {}  # at most config.max_peers; silent ones expire (_tick)
+        # decodes whose HELLO was refused for what they are -> until when their REJECTs are taken (oldest first)
+        self.refused_peers: dict[str, float] = {}
         self._next_retain = 0.0  # when _tick next closes control sockets no peer uses
         self.transport: SenderTransport = self._open_transport(lambda: self.transport_factory.sender(layout, config))
         self._start()
@@ -69,6 +71,11 @@ class PrefillEngine(EngineBase):
             return
         peer = self.peers.get(identity)
         if peer is None:
+            if isinstance(msg, m.Reject) and self._may_still_reject(identity):
+                # a decode refused at peering (its layout, a full table) still refuses its requests here,
+                # so their prefill half fails at once instead of waiting for a destination
+                self.sender.on_reject(identity, msg)
+                return
             raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
         if self.hooks.drop_message(msg):
             return
@@ -95,7 +102,10 @@ class PrefillEngine(EngineBase):
             problem = f"HELLO names engine {msg.engine!r} but came from {identity!r}"
         elif msg.role != "decode":
             problem = f"HELLO from a {msg.role!r} engine; only decode engines peer with prefill"
-        elif msg.transport != self.config.transport:
+        if problem:  # not a decode speaking for itself: nothing more is taken from it
+            self._refuse_hello(identity, msg, problem)
+            return
+        if msg.transport != self.config.transport:
             problem = f"transport {msg.transport!r} != this engine's {self.config.transport!r}"
         elif msg.checksum != self.config.checksum:
             problem = f"checksum {msg.checksum!r} != this engine's {self.config.checksum!r}"
@@ -108,7 +118,7 @@ class PrefillEngine(EngineBase):
         if not problem:
             problem = self._make_room(identity)
         if problem:
-            self._refuse_hello(identity, msg, problem)
+            self._refuse_hello(identity, msg, problem, may_reject=True)
             return
         ack = m.HelloAck(
             engine=self.engine_id, role="prefill", session=msg.session, ok=True, error="",
@@ -127,11 +137,21 @@ class PrefillEngine(EngineBase):
         if old is not None and old.link is not None:
             self._retire(old.link, "peering replaced by a new HELLO")
 
-    def _refuse_hello(self, identity: str, msg: m.Hello, problem: str) -> None:
+    def _refuse_hello(self, identity: str, msg: m.Hello, problem: str, *, may_reject: bool = False) -> None:
         """Refuse a peering. The details go to this engine's log only: the answer names neither this
         engine nor its layout or capacity (a stranger must not learn what HELLO would be accepted),
         except to a peer the keyring authenticated, which is told why. It travels on a socket of its
-        own under a random routing identity, closed again (:meth:`ControlPlane.send_once`)."""
+        own under a random routing identity, closed again (:meth:`ControlPlane.send_once`).
+
+        ``may_reject``: a decode refused for what it is (layout, transport, checksum, a full peer table)
+        rather than for lying about who it is; for ``meta_timeout`` its REJECTs are still taken, so a
+        request it cannot serve fails on this side at once (:meth:`DecodeEngine.refuse`)."""
+        if may_reject:
+            with self.lock:
+                self.refused_peers.pop(identity, None)
+                while len(self.refused_peers) >= max(64, self.config.max_peers):
+                    self.refused_peers.pop(next(iter(self.refused_peers)))  # the oldest goes
+                self.refused_peers[identity] = time.monotonic() + self.config.meta_timeout
         self._event("hello_refused", counter="refused_hellos", peer=identity[:200], reply_to=msg.reply_to[:200],
                     why=problem[:500])
         self._warn(log, "hello", "%s: refused peering with %r: %s", self.engine_id, identity[:200], problem)
@@ -269,10 +289,18 @@ class PrefillEngine(EngineBase):
         info = self.peers.get(peer)
         return info.link if info is not None and info.link is not None and info.link.alive else None
 
+    def _may_still_reject(self, identity: str) -> bool:
+        with self.lock:
+            until = self.refused_peers.get(identity)
+            return until is not None and time.monotonic() < until
+
     def _tick(self) -> None:
         for link, why in self.sender.tick():
             self._close_stuck(link, why)
         now = time.monotonic()
+        with self.lock:
+            for identity in [i for i, until in self.refused_peers.items() if until <= now]:
+                del self.refused_peers[identity]
         dead = []
         expired = []
         expiry = max(self.config.peer_expiry, self.config.peer_timeout)

@@ -296,6 +296,12 @@ class Receiver:
             )
         return None
 
+    def new_generation(self) -> int:
+        """A fresh generation that names no reservation (a refusal's); call under the lock."""
+        gen = self._next_gen
+        self._next_gen += 1
+        return gen
+
     def _reject(self, req: ReceiveRequest, reason: str, text: str, *, tell_peer: bool) -> AdmissionRejected:
         if not req.gen:
             # A generation names this attempt (nothing is reserved under it), so the writer can tell

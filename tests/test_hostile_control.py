@@ -364,7 +364,7 @@ def test_destinations_held_for_a_peer_are_capped_in_bytes(engines):
         held_most = cap // (pages * 8)
         wait_for(lambda: pair.prefill.sender.stats["meta_bytes_refused"] >= 400 - held_most, timeout=20,
                  what="destinations past the byte cap refused")
-        held = sum(entry[1].pages.nbytes for entry in pair.prefill.sender.pending_meta.values())
+        held = sum(e[1].pages.nbytes for entries in pair.prefill.sender.pending_meta.values() for e in entries)
         assert held <= cap and len(pair.prefill.sender.pending_meta) == held_most
         _transfer(pair, "honest", 2 * PAGE_TOKENS)  # another peer's destinations are not held up
 

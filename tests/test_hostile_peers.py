@@ -399,7 +399,7 @@ def test_a_peer_speaking_the_old_protocol_version_is_told_why(engines):
         version, kind, reply = msgpack.unpackb(data, raw=False)
         assert (version, kind) == (m.PROTOCOL_VERSION, "ERROR")
         assert reply["code"] == "protocol_version"
-        assert "unsupported protocol version 1 (this engine speaks 3)" in reply["detail"]
+        assert f"unsupported protocol version 1 (this engine speaks {m.PROTOCOL_VERSION})" in reply["detail"]
         assert pair.prefill.counters["malformed_messages"] == 1
         assert "old-decode" not in pair.prefill.peers
     finally:

@@ -63,6 +63,24 @@ def check_peer(peer: Any, rid: Any) -> str | None:
     raise InvalidArgument(f"peer must be an engine id (a non-empty str), got {_shown(peer)}", rid=rid)
 
 
+MAX_WRITERS = 64
+
+
+def check_peers(peers: Any, rid: Any) -> list[str] | None:
+    """A request's writers (engine ids, in the order that decides who writes a head more than one
+    holds): None, or 1..64 distinct non-empty strings."""
+    if peers is None:
+        return None
+    if isinstance(peers, (str, bytes)) or not isinstance(peers, (list, tuple)):
+        raise InvalidArgument(f"peers must be a list of engine ids, got {_shown(peers)}", rid=rid)
+    names = [check_peer(p, rid) for p in peers]
+    if not 1 <= len(names) <= MAX_WRITERS or None in names:
+        raise InvalidArgument(f"peers must name 1..{MAX_WRITERS} engines, got {len(names)}", rid=rid)
+    if len(set(names)) != len(names):
+        raise InvalidArgument("peers must be distinct", rid=rid)
+    return [str(n) for n in names]
+
+
 def page_array(pages: Any, *, num_pages: int, rid: Any, what: str = "page list") -> np.ndarray:
     """A one-dimensional array of distinct page indices in ``[0, num_pages)``, as int64."""
     try:

@@ -105,6 +105,42 @@ def page_runs(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pages[starts_idx], ends_idx - starts_idx
 
 
+def checksum_addresses(device: str, addresses: np.ndarray, lengths: np.ndarray, algo: ChecksumAlgo | str) -> int:
+    """Checksum of the bytes at ``addresses`` (``lengths`` each), concatenated in order: a head slice's
+    pieces (:func:`kvxfer.core.slicing.canonical_pieces`). Host memory is read in C when built; GPU
+    memory is copied to the host piece by piece first (head slices on GPUs verify at copy speed)."""
+    algo = ChecksumAlgo.parse(algo)
+    if algo is ChecksumAlgo.NONE:
+        return 0
+    addresses = np.asarray(addresses, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    if device == "cuda":
+        from .gpu.driver import PinnedBuffer, Stream, pointer_device  # lazy: GPU only
+
+        value = algo.initial
+        if not addresses.size:
+            return value
+        ordinal = pointer_device(int(addresses[0]))
+        with PinnedBuffer(int(lengths.max()), ordinal) as host, Stream(ordinal) as stream:
+            view = host.array
+            for address, length in zip(addresses.tolist(), lengths.tolist()):
+                stream.to_host(host.address, address, length)
+                stream.synchronize()
+                value = algo.update(view[:length], value)
+        return value
+    algo_id = native_id(algo)
+    if algo_id is not None:
+        from . import native
+
+        return native.lib.checksum_runs(algo_id, algo.initial, addresses.tobytes(), lengths.tobytes())
+    import ctypes
+
+    value = algo.initial
+    for address, length in zip(addresses.tolist(), lengths.tolist()):
+        value = algo.update(ctypes.string_at(address, length), value)
+    return value
+
+
 def checksum_pages(layout: KVLayout, pages: np.ndarray, algo: ChecksumAlgo | str) -> int:
     """Checksum of ``pages`` of ``layout`` in canonical order.
 

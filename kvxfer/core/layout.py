@@ -6,8 +6,12 @@ of buffer ``b`` is ``base[b] + p * item_len[b]`` for ``item_len[b]`` bytes. A re
 indices; its bytes are that page in every buffer.
 
 Invariants: buffers never overlap; every buffer has room for ``num_pages`` items; a layout never
-changes after construction. Two engines can exchange pages only when their layouts are
-*compatible*: same number of buffers, same item length per buffer, same tokens per page.
+changes after construction. A layout may carry a :class:`~kvxfer.core.geometry.KVGeometry` saying
+what each page holds (layer, K/V/latent, the KV heads this rank holds, head size, dtype, in-page
+order, tensor-parallel rank); its bytes per page must match. Two engines can exchange pages when their
+layouts are *compatible*: without a geometry on either side, the same number of buffers, the same
+item length per buffer and the same tokens per page (page for page); with one on both sides, what
+:func:`~kvxfer.core.geometry.pair_problem` allows (other TP sizes and page sizes included).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .geometry import KVGeometry, pair_problem
 from .memory import MemoryRegion, as_region
 
 
@@ -38,7 +43,8 @@ class BufferSpec:
 class KVLayout:
     """Buffers x pages, with numpy views of every buffer as a ``(num_pages, item_len)`` matrix."""
 
-    def __init__(self, buffers: Sequence[BufferSpec], *, num_pages: int, page_size: int) -> None:
+    def __init__(self, buffers: Sequence[BufferSpec], *, num_pages: int, page_size: int,
+                 geometry: KVGeometry | None = None) -> None:
         if not buffers:
             raise ConfigError("a KV layout needs at least one buffer")
         if num_pages <= 0:
@@ -59,11 +65,17 @@ class KVLayout:
                 )
         self._check_no_overlap()
         self.item_lens = np.array([b.item_len for b in self.buffers], dtype=np.int64)
+        if geometry is not None:
+            if not isinstance(geometry, KVGeometry):
+                raise ConfigError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
+            geometry.check_items(self.page_size, [int(x) for x in self.item_lens])
+        self.geometry = geometry
         self._views: list[np.ndarray] | None = None
 
     # construction helpers -------------------------------------------------------------------
     @classmethod
-    def from_arrays(cls, arrays: Sequence[Any], *, page_size: int, num_pages: int | None = None) -> KVLayout:
+    def from_arrays(cls, arrays: Sequence[Any], *, page_size: int, num_pages: int | None = None,
+                    geometry: KVGeometry | None = None) -> KVLayout:
         """One buffer per array; an array's first dimension is pages unless ``num_pages`` says.
 
         Accepts anything :func:`as_region` accepts (numpy, torch CPU tensors, bytearray, mmap)."""
@@ -82,7 +94,7 @@ class KVLayout:
                     f"buffer {i}: {region.nbytes} bytes is not a whole number of {num_pages} pages"
                 )
             specs.append(BufferSpec(region, 0, region.nbytes // num_pages))
-        return cls(specs, num_pages=num_pages, page_size=page_size)
+        return cls(specs, num_pages=num_pages, page_size=page_size, geometry=geometry)
 
     @classmethod
     def from_pointers(
@@ -93,6 +105,7 @@ class KVLayout:
         *,
         page_size: int,
         device: str = "auto",
+        geometry: KVGeometry | None = None,
     ) -> KVLayout:
         """SGLang's description: per-buffer base pointer, total bytes and bytes per page.
 
@@ -110,18 +123,27 @@ class KVLayout:
             BufferSpec(region_at(int(p), int(n), device=device, name=f"buffer{i}"), 0, int(item))
             for i, (p, n, item) in enumerate(zip(data_ptrs, data_lens, item_lens))
         ]
-        return cls(specs, num_pages=num_pages, page_size=page_size)
+        return cls(specs, num_pages=num_pages, page_size=page_size, geometry=geometry)
 
     @classmethod
     def allocate(
-        cls, *, num_buffers: int, item_len: int, num_pages: int, page_size: int, prefault: bool = True
+        cls, *, num_buffers: int | None = None, item_len: int | None = None, num_pages: int, page_size: int,
+        prefault: bool = True, geometry: KVGeometry | None = None,
     ) -> KVLayout:
-        """Allocate fresh host memory for a layout (tools, tests, the demo)."""
+        """Allocate fresh host memory for a layout (tools, tests, the demo): ``num_buffers`` of
+        ``item_len`` bytes per page, or as many buffers, each as large, as ``geometry`` describes."""
         from .memory import allocate_host
 
-        region = allocate_host(num_buffers * item_len * num_pages, name="kv", prefault=prefault)
-        specs = [BufferSpec(region, b * item_len * num_pages, item_len) for b in range(num_buffers)]
-        return cls(specs, num_pages=num_pages, page_size=page_size)
+        if geometry is not None:
+            items = [spec.item_len(page_size) for spec in geometry.buffers]
+        elif num_buffers is not None and item_len is not None:
+            items = [int(item_len)] * int(num_buffers)
+        else:
+            raise ConfigError("allocate needs num_buffers and item_len, or a geometry")
+        region = allocate_host(sum(items) * num_pages, name="kv", prefault=prefault)
+        offsets = np.concatenate(([0], np.cumsum(items)[:-1])) * num_pages
+        specs = [BufferSpec(region, int(off), item) for off, item in zip(offsets, items)]
+        return cls(specs, num_pages=num_pages, page_size=page_size, geometry=geometry)
 
     # geometry ---------------------------------------------------------------------------------
     @property
@@ -187,18 +209,30 @@ class KVLayout:
             "num_pages": self.num_pages,
             "page_size": self.page_size,
             "item_lens": [int(x) for x in self.item_lens],
+            "geometry": self.geometry,
         }
 
     def describe(self) -> str:
         """This layout in a few words, the way refusals name both sides: buffers, bytes per page of
-        each (runs of equal lengths folded), tokens per page."""
-        return describe_layout(self.page_size, [int(x) for x in self.item_lens])
+        each (runs of equal lengths folded), tokens per page, and what a page holds when known."""
+        return describe_layout(self.page_size, [int(x) for x in self.item_lens], self.geometry)
 
     def check_compatible(self, peer: dict[str, Any], *, peer_name: str = "peer") -> None:
-        """Raise :class:`ConfigError` naming both layouts and the first difference from a peer's descriptor."""
+        """Raise :class:`ConfigError` naming both layouts and the first difference from a peer's
+        descriptor (``page_size``, ``item_lens`` and, when it has one, ``geometry``)."""
         theirs = [int(x) for x in peer["item_lens"]]
+        geometry = peer.get("geometry")
         difference = ""
-        if int(peer["page_size"]) != self.page_size:
+        if geometry is not None:
+            try:
+                geometry.check_items(int(peer["page_size"]), theirs)
+            except ConfigError as exc:
+                difference = f"its geometry does not describe its buffers: {exc.detail}"
+        if difference:
+            pass
+        elif geometry is not None and self.geometry is not None:
+            difference = pair_problem(self.geometry, self.page_size, geometry, int(peer["page_size"]))
+        elif int(peer["page_size"]) != self.page_size:
             difference = f"page_size {peer['page_size']} tokens != local {self.page_size}"
         elif len(theirs) != self.num_buffers:
             difference = f"{len(theirs)} buffers != local {self.num_buffers}"
@@ -210,7 +244,7 @@ class KVLayout:
         if difference:
             raise ConfigError(
                 f"layout mismatch with {peer_name}: {difference} (theirs: "
-                f"{describe_layout(int(peer['page_size']), theirs)}; local: {self.describe()})"
+                f"{describe_layout(int(peer['page_size']), theirs, geometry)}; local: {self.describe()})"
             )
 
     def _check_no_overlap(self) -> None:
@@ -230,8 +264,9 @@ class KVLayout:
         )
 
 
-def describe_layout(page_size: int, item_lens: Sequence[int]) -> str:
-    """``"4 buffers of 1024 B/page, 16 tokens/page"`` (``"2 x 1024 + 2 x 512 B/page"`` when they differ)."""
+def describe_layout(page_size: int, item_lens: Sequence[int], geometry: KVGeometry | None = None) -> str:
+    """``"4 buffers of 1024 B/page, 16 tokens/page"`` (``"2 x 1024 + 2 x 512 B/page"`` when they differ),
+    followed by what a page holds (``KVGeometry.describe``) when the layout says."""
     runs: list[list[int]] = []
     for n in item_lens:
         if runs and runs[-1][1] == n:
@@ -242,4 +277,6 @@ def describe_layout(page_size: int, item_lens: Sequence[int]) -> str:
         sizes = f"{runs[0][0]} buffer{'s' if runs[0][0] != 1 else ''} of {runs[0][1]} B/page"
     else:
         sizes = " + ".join(f"{count} x {n}" for count, n in runs) + " B/page"
+    if geometry is not None:
+        return f"{sizes}: {geometry.describe(page_size)}"
     return f"{sizes}, {page_size} tokens/page"

@@ -58,6 +58,18 @@ class WriteBatch:
     ready: Any = None
     # the transport's access blob from the request's META (verbs: its memory windows' keys); b"": none
     access: bytes = b""
+    # a head slice's runs (kvxfer.core.slicing): each run is whole pieces of ``units[i]`` bytes, not whole
+    # pages; checksums are taken per piece and frames cut at piece boundaries. None: whole pages.
+    units: np.ndarray | None = None
+    # the receiver's bytes per page of each buffer, when they differ from the writer's (head slices,
+    # other page sizes): destination offsets are in the receiver's pages. None: the writer's own.
+    dst_item_lens: np.ndarray | None = None
+
+    def unit_lengths(self, item_lens: np.ndarray) -> np.ndarray:
+        """Each run's checksum unit: a piece of a head slice, else a page of its buffer."""
+        if self.units is not None:
+            return np.asarray(self.units, dtype=np.int64)
+        return np.asarray(item_lens, dtype=np.int64)[self.buffers]
 
     def wait_sources(self) -> None:
         """Block until the source pages hold what the caller wrote (no-op without ``ready``)."""
@@ -123,21 +135,23 @@ class FrameCut:
     nbytes: int
     runs_before: int  # runs of the batch wholly sent before this frame
     runs_done: int  # runs of the batch whose last byte travels in this frame
+    units: np.ndarray  # each entry's checksum unit (a page of its buffer, or a head slice's piece)
 
 
 def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_runs: int) -> list[FrameCut]:
     """Cut ``batch`` into frames of at most ``max_bytes`` payload and ``max_runs`` runs.
 
     Runs that fit go whole, as many per frame as fit (greedy, in order). A run whose rest is longer
-    than ``max_bytes`` is split at item boundaries (``item_lens[buffer]``) into pieces of as many
-    whole items as fit, so every piece is itself a valid write (offset and length whole items) and
-    the concatenated pieces are the batch's item sequence in order (the order of item checksums).
+    than ``max_bytes`` is split at item boundaries (``item_lens[buffer]``, or a head slice's piece,
+    :meth:`WriteBatch.unit_lengths`) into pieces of as many whole items as fit, so every piece is
+    itself a valid write (offset and length whole items) and the concatenated pieces are the batch's
+    item sequence in order (the order of item checksums).
     Per frame: a binary search on the runs' cumulative lengths and slices; nothing per page."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     total = len(lengths)
     if total == 0:
         return []
-    items = np.asarray(item_lens, dtype=np.int64)[batch.buffers]
+    items = batch.unit_lengths(item_lens)
     if int(items.max()) > max_bytes:
         raise ValueError(f"an item of {int(items.max())} bytes does not fit a frame of {max_bytes} bytes")
     if max_runs < 1:
@@ -165,7 +179,7 @@ def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_run
             dst[0] += off
             lens[0] = take
         cuts.append(FrameCut(buffers=batch.buffers[run:end], src_offsets=src, dst_offsets=dst, lengths=lens,
-                             nbytes=int(lens.sum()), runs_before=run, runs_done=done))
+                             nbytes=int(lens.sum()), runs_before=run, runs_done=done, units=items[run:end]))
         if done:
             run, off = end, 0
         else:

@@ -10,7 +10,13 @@ rules:
   ledger holds ``RESERVED``/``WRITTEN`` for that generation;
 * anything else is refused with a reason, counted and logged, and lands nowhere;
 * what landed is recorded per (buffer, page) in a coverage bitmap, which completion verification
-  reads; a page covered in every buffer becomes ``WRITTEN``.
+  reads; a page covered in every buffer becomes ``WRITTEN``;
+* a window of one writer's head slice (a request with several writers, or pages of another size:
+  ``Window.table``) accepts only runs of whole, adjacent atoms of that slice
+  (:class:`~kvxfer.core.slicing.SliceTable`, reason ``outside_slice``) and records coverage per atom
+  in the table; its pages move on at verification, when every writer's slice is known to have landed.
+  A request's writers have windows of their own generations over pages the ledger holds for the
+  request's generation (``Window.owner_gen``).
 
 Invariants: windows open only over pages the ledger holds for their generation; coverage of a page
 is reset when a window opens over it; all state here and all ledger changes of the receiver happen
@@ -30,6 +36,7 @@ import numpy as np
 from ..errors import WriteRefused
 from .layout import KVLayout
 from .ledger import WRITABLE_STATES, PageLedger
+from .slicing import SliceTable, expand_runs
 
 log = logging.getLogger("kvxfer.writeguard")
 _LOG_FIRST = 20
@@ -53,16 +60,15 @@ class Window:
     final_bytes: int = 0
     first_landed: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    owner_gen: int = 0  # the generation the ledger holds the pages under (0: ``gen``)
+    table: SliceTable | None = None  # one writer's head slice; None: whole pages
+
+    def __post_init__(self) -> None:
+        if not self.owner_gen:
+            self.owner_gen = self.gen
 
 
-def expand_runs(first_pages: np.ndarray, page_counts: np.ndarray) -> np.ndarray:
-    """Concatenate ``range(first, first + count)`` for every run, vectorised."""
-    total = int(page_counts.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    starts = np.repeat(first_pages, page_counts)
-    run_base = np.repeat(np.cumsum(page_counts) - page_counts, page_counts)
-    return starts + (np.arange(total, dtype=np.int64) - run_base)
+__all__ = ["Window", "WriteGuard", "expand_runs"]
 
 
 class WriteGuard:
@@ -93,7 +99,7 @@ class WriteGuard:
     # windows ----------------------------------------------------------------------------------
     def open(self, window: Window) -> None:
         with self.lock:
-            ok = self.ledger.owned_by(window.pages, window.gen, WRITABLE_STATES)
+            ok = self.ledger.owned_by(window.pages, window.owner_gen, WRITABLE_STATES)
             if not ok.all():
                 raise WriteRefused(
                     "cannot open a write window over pages the request does not hold",
@@ -102,8 +108,9 @@ class WriteGuard:
                     generation=window.gen,
                     pages=window.pages[~ok],
                 )
-            self.covered[:, window.pages] = False
-            self.summed[:, window.pages] = False
+            if window.table is None:
+                self.covered[:, window.pages] = False
+                self.summed[:, window.pages] = False
             self._windows[window.gen] = window
             self._by_slot[window.slot] = window
             self.newest_generation = max(self.newest_generation, window.gen)
@@ -215,6 +222,8 @@ class WriteGuard:
                 rid=window.rid,
                 generation=gen,
             )
+        if window.table is not None:
+            return window, self._check_slice(window, buffers, offsets, lengths)
         items = self.layout.item_lens[buffers]
         if ((offsets % items) != 0).any() or ((lengths % items) != 0).any():
             raise WriteRefused(
@@ -232,7 +241,7 @@ class WriteGuard:
                 pages=bad,
             )
         pages = expand_runs(first, counts)
-        ok = self.ledger.owned_by(pages, gen, WRITABLE_STATES)
+        ok = self.ledger.owned_by(pages, window.owner_gen, WRITABLE_STATES)
         if not ok.all():
             raise WriteRefused(
                 "write touches pages not reserved for this generation",
@@ -243,10 +252,30 @@ class WriteGuard:
             )
         return window, counts
 
-    def record(self, window: Window, runs: np.ndarray, counts: np.ndarray | None = None,
+    def _check_slice(self, window: Window, buffers: np.ndarray, offsets: np.ndarray,
+                     lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A write for one writer's slice: whole, adjacent atoms of it, in pages the request still holds."""
+        assert window.table is not None
+        located = window.table.locate(buffers, offsets, lengths)
+        if located is None:
+            raise WriteRefused("write is not whole pieces of this writer's slice of the request's pages",
+                               reason="outside_slice", rid=window.rid, generation=window.gen)
+        items = self.layout.item_lens[buffers]
+        pages = np.unique(np.concatenate([offsets // items, (offsets + lengths - 1) // items]))
+        ok = self.ledger.owned_by(pages, window.owner_gen, WRITABLE_STATES)
+        if not ok.all():
+            raise WriteRefused("write touches pages not reserved for this generation", reason="not_reserved",
+                               rid=window.rid, generation=window.gen, pages=pages[~ok])
+        return located
+
+    def record(self, window: Window, runs: np.ndarray, counts: Any = None,
                sums: np.ndarray | None = None) -> None:
-        """Record that an accepted write's bytes have landed (with their item checksums, if known)."""
+        """Record that an accepted write's bytes have landed (with their item checksums, if known).
+        ``counts`` is what :meth:`check` returned beside the window."""
         with self.lock:
+            if window.table is not None:
+                self._record_slice(window, runs, counts)
+                return
             buffers = runs["buffer"].astype(np.int64)
             lengths = runs["length"].astype(np.int64)
             items = self.layout.item_lens[buffers]
@@ -276,6 +305,23 @@ class WriteGuard:
             window.writes_landed += len(runs)
             self.landed_bytes += nbytes
             self.landed_writes += len(runs)
+
+    def _record_slice(self, window: Window, runs: np.ndarray, located: Any) -> None:
+        assert window.table is not None
+        buffers = runs["buffer"].astype(np.int64)
+        if located is None:  # recorded without its check (a caller's own): locate it now
+            located = window.table.locate(buffers, runs["offset"].astype(np.int64), runs["length"].astype(np.int64))
+            if located is None:
+                raise WriteRefused("write is not whole pieces of this writer's slice", reason="outside_slice",
+                                   rid=window.rid, generation=window.gen)
+        before = window.table.duplicates
+        window.table.record(buffers, *located)
+        window.duplicate_items += window.table.duplicates - before
+        nbytes = int(runs["length"].astype(np.int64).sum())
+        window.bytes_landed += nbytes
+        window.writes_landed += len(runs)
+        self.landed_bytes += nbytes
+        self.landed_writes += len(runs)
 
     @staticmethod
     def _flat(array: np.ndarray) -> np.ndarray:

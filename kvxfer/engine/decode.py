@@ -81,7 +81,7 @@ class DecodeEngine(EngineBase):
             transport=self.config.transport,
             page_size=self.layout.page_size, num_pages=self.layout.num_pages,
             item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
-            max_context=self.config.max_context, checksum=self.config.checksum,
+            max_context=self.config.max_context, checksum=self.config.checksum, geometry=self.layout.geometry,
         )
 
     def refuse(self, rid: Any, prefill_address: str, *, reason: str = "refused",
@@ -139,9 +139,10 @@ class DecodeEngine(EngineBase):
             # data connection, so treat it as an abort request (quarantine until proven drained).
             with self.lock:
                 req = self.receiver.active.get(msg.rid)
-                if req is not None and req.gen == msg.gen and req.peer == identity:
-                    self.receiver.abort(msg.rid, f"prefill rejected it: {msg.detail}", failure=True,
-                                        generation=msg.gen)
+                leg = req.leg(msg.gen) if req is not None else None
+                if leg is not None and leg.peer == identity:
+                    self.receiver.abort(msg.rid, f"prefill {identity} rejected it: {msg.detail}", failure=True,
+                                        generation=req.gen)
             return
         if isinstance(msg, m.Fenced):
             # the writer's end of a connection ended: fence ours now (nothing more lands) and offer anew
@@ -160,7 +161,8 @@ class DecodeEngine(EngineBase):
             if not problem:
                 try:
                     self.layout.check_compatible(
-                        {"page_size": msg.page_size, "item_lens": msg.item_lens}, peer_name=identity
+                        {"page_size": msg.page_size, "item_lens": msg.item_lens, "geometry": msg.geometry},
+                        peer_name=identity,
                     )
                 except ConfigError as exc:
                     problem = str(exc)
@@ -173,7 +175,7 @@ class DecodeEngine(EngineBase):
                 info = PeerInfo(
                     engine=identity, control=entry["address"], session=msg.session,
                     pool_tokens=msg.pool_tokens, max_context=msg.max_context, page_size=msg.page_size,
-                    last_seen=time.monotonic(),
+                    geometry=msg.geometry, last_seen=time.monotonic(),
                 )
                 if old is not None:  # peering again: epochs keep increasing, the old connection goes
                     info.epoch = max(old.epoch, old.offered)
@@ -346,10 +348,13 @@ class DecodeEngine(EngineBase):
         self._worker.close()
 
     # the API ---------------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
-        """Admit a request and reserve its pages (or refuse: see :meth:`Receiver.admit`)."""
+    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None,
+              peers: list[str] | None = None) -> ReceiveRequest:
+        """Admit a request and reserve its pages (or refuse: see :meth:`Receiver.admit`). ``peers``:
+        every prefill rank this rank takes KV from, in rank order, when their tensor parallelism
+        differs from this engine's (each writes its heads' slice of every page)."""
         self._check_open()
-        return self.receiver.admit(rid, tokens, peer=peer, pages=pages)
+        return self.receiver.admit(rid, tokens, peer=peer, pages=pages, peers=peers)
 
     def abort(self, rid: Any, reason: str = "aborted by caller", *, generation: int | None = None) -> ReceiveRequest:
         """Abort a request (``generation``: only that generation of the id; StaleGeneration otherwise).

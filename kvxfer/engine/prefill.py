@@ -31,6 +31,8 @@ class _Peer:
     engine: str
     control: str
     session: bytes
+    page_size: int = 0  # the decode's tokens per page (its HELLO)
+    geometry: Any = None  # the decode's KVGeometry, when its layout says what its pages hold
     link: SenderLink | None = None
     epoch: int = 0  # newest epoch offered by the decode (its link, once open, has this epoch)
     pending_offer: m.Offer | None = None  # the newest offer not yet taken by the connector
@@ -55,6 +57,7 @@ class PrefillEngine(EngineBase):
             max_pending_meta_bytes=config.max_pending_meta_bytes,
             result_timeout=config.result_timeout,
             write_log=self.capabilities.write_log,
+            peer_layout=self._peer_layout,
             **self._role_settings(),
         )
         self.peers: dict[str, _Peer] = {}  # at most config.max_peers; silent ones expire (_tick)
@@ -111,8 +114,8 @@ class PrefillEngine(EngineBase):
             problem = f"checksum {msg.checksum!r} != this engine's {self.config.checksum!r}"
         else:
             try:
-                self.layout.check_compatible({"page_size": msg.page_size, "item_lens": msg.item_lens},
-                                             peer_name=identity)
+                self.layout.check_compatible({"page_size": msg.page_size, "item_lens": msg.item_lens,
+                                              "geometry": msg.geometry}, peer_name=identity)
             except ConfigError as exc:
                 problem = str(exc)
         if not problem:
@@ -124,13 +127,13 @@ class PrefillEngine(EngineBase):
             engine=self.engine_id, role="prefill", session=msg.session, ok=True, error="",
             page_size=self.layout.page_size, num_pages=self.layout.num_pages,
             item_lens=[int(x) for x in self.layout.item_lens], pool_tokens=self.layout.pool_tokens,
-            max_context=self.config.max_context,
+            max_context=self.config.max_context, geometry=self.layout.geometry,
         )
         self.control.send(msg.reply_to, ack)
         with self.lock:
             old = self.peers.get(identity)
-            peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session,
-                         epoch=old.epoch if old else 0, last_seen=time.monotonic())
+            peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, page_size=msg.page_size,
+                         geometry=msg.geometry, epoch=old.epoch if old else 0, last_seen=time.monotonic())
             self.peers[identity] = peer
         if old is not None and old.control != peer.control:
             self._release_control(old.control)  # peering again from another address: the old socket goes
@@ -285,6 +288,14 @@ class PrefillEngine(EngineBase):
             peer.link = None
         self._retire(link, f"fenced by decode: {msg.reason}")
 
+    def _peer_layout(self, peer: str) -> tuple[int, Any]:
+        """A decode peer's tokens per page and geometry (from its HELLO); this engine's page size and
+        no geometry for one it does not know."""
+        info = self.peers.get(peer)
+        if info is None:
+            return self.layout.page_size, None
+        return info.page_size or self.layout.page_size, info.geometry
+
     def _link_for(self, peer: str) -> Any:
         info = self.peers.get(peer)
         return info.link if info is not None and info.link is not None and info.link.alive else None
@@ -371,7 +382,7 @@ class PrefillEngine(EngineBase):
 
     # the API ---------------------------------------------------------------------------------------
     def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None,
-              any_peer: bool = False) -> SendRequest:
+              any_peer: bool = False, peers: list[str] | None = None) -> SendRequest:
         """Admit a prompt or raise :class:`AdmissionRejected` (nothing held, no byte moves).
 
         A request is bound to one decode: only that decode can give it a destination (META) or
@@ -380,8 +391,11 @@ class PrefillEngine(EngineBase):
         (:class:`InvalidArgument`). ``any_peer=True`` is the explicit opt-in for callers that cannot
         know the decode in advance (SGLang, whose router pairs the servers per request and whose
         request id, the bootstrap room, is a random 63-bit number): the first peer whose META names
-        the request binds it."""
+        the request binds it (with a decode of more TP ranks than this prefill: the first of each of the
+        ranks this prefill serves, all of one group). ``peers`` names those decode ranks explicitly."""
         self._check_open()
+        if peers is not None:
+            return self.sender.admit(rid, tokens, external_pages=external_pages, peers=peers)
         if peer is None and not any_peer:
             with self.lock:
                 peered = sorted(name for name, p in self.peers.items() if p.alive)

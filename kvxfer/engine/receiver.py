@@ -3,45 +3,59 @@
 :class:`Receiver` is the decode engine's logic without any I/O: the engine feeds it calls and
 messages, it answers through two callbacks (``send`` a control message to a peer, ``request_fence``
 of a data connection). It owns the request table, the page pool, the write guard and the peers'
-advertised capacities.
+advertised capacities and geometries.
+
+A request is written by one or more *legs*: each writer's share (with unequal tensor parallelism,
+its heads of every page; otherwise the whole request, page for page). Each leg has its own
+generation, slot, connection and write window over the request's pages, which the ledger holds under
+the request's generation (the first leg's). One writer is the ordinary case, and everything below
+reads the same for it.
 
 Invariants (checked by :meth:`Receiver.check_accounting`):
 
 * a page is held (not FREE) iff exactly one active request holds it, with the page's generation;
-* ``RESERVED`` requests have an open write window; no other request does;
-* pages leave ``QUARANTINED`` only on a drain proof for *that* generation (DRAIN_ACK, DONE, REJECT or
-  ABORT arriving on the ordered data path behind the writer's writes) or after the writer's
-  connection was fenced; a timeout only ever leads to a fence;
-* a request is ``REJECTED`` before anything is reserved, or (writer rejected it) before any write;
-* a request's transport grant (``grant``: verbs memory windows, whose keys META carries) is revoked
-  (``revoke``) when DONE arrives and, in any case, before its pages are freed: a write that comes
-  later fails in the NIC where the transport enforces grants.
+* a leg's window is open iff the request is ``RESERVED`` and the leg is ``OPEN``;
+* pages leave ``QUARANTINED`` only when every leg is settled: a drain proof for *that leg's*
+  generation (DONE, DRAIN_ACK, REJECT or ABORT arriving on the ordered data path behind the writer's
+  writes) or the writer's connection fenced or gone; a timeout only ever leads to a fence;
+* a request is ``READABLE`` only when every leg's DONE arrived and every leg verified (coverage of
+  its pages or slice, bytes, write log, checksum) and, after all of them, no page holds poison;
+* one leg failing (its connection gone, its writer giving up) stops the others: the request is
+  quarantined until each of them proves its drain or is fenced;
+* a request is ``REJECTED`` before anything is reserved, or (its only writer rejected it) before any write;
+* a leg's transport grant (``grant``: verbs memory windows, whose keys META carries) is revoked
+  (``revoke``) when its DONE arrives and, in any case, before the request's pages are freed: a write
+  that comes later fails in the NIC where the transport enforces grants.
 
 All methods must be called with :attr:`lock` held or take it themselves; none blocks on I/O.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..core.arguments import check_peer, check_rid, check_tokens, page_array
-from ..core.checksum import ChecksumAlgo, checksum_pages
+from ..core.arguments import check_peer, check_peers, check_rid, check_tokens, page_array
+from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages
+from ..core.geometry import plan_legs, serves, writers_of
 from ..core.ledger import PageState
 from ..core.lifecycle import Lifecycle, ReceiverState
 from ..core.pool import PagePool
+from ..core.slicing import LegAtoms, LegShape, SliceTable
 from ..core.tags import MAX_SLOTS
-from ..core.verify import Claim, verify_completion
+from ..core.verify import Claim, poison_problem, verify_completion
 from ..core.writeguard import Window, WriteGuard
 from ..errors import (
     AdmissionRejected,
+    ConfigError,
     DuplicateRequest,
     InvalidArgument,
     KvxferError,
@@ -73,6 +87,7 @@ class PeerInfo:
     pool_tokens: int = 0
     max_context: int = 0
     page_size: int = 0
+    geometry: Any = None  # the writer's KVGeometry, when its layout says what its pages hold
     ready: bool = False
     conn: Any = None
     epoch: int = 0
@@ -85,9 +100,48 @@ class PeerInfo:
     reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
 
 
+class LegState(str, enum.Enum):
+    """Where one writer's share of a request stands."""
+
+    OPEN = "OPEN"  # its window is open: writes may land
+    STOPPED = "STOPPED"  # window closed by an abort; writes may still be in flight until a drain proof or fence
+    CLAIMED = "CLAIMED"  # DONE arrived behind its writes (drained); its claim waits for verification
+    DRAINED = "DRAINED"  # proven drained without DONE (DRAIN_ACK, REJECT, ABORT, the connection ended)
+    NULL = "NULL"  # nothing to write: its heads come from another writer
+
+
+SETTLED = frozenset({LegState.CLAIMED, LegState.DRAINED, LegState.NULL})
+
+
+@dataclass
+class ReceiveLeg:
+    """One writer's share of a request: its generation, slot, connection, heads and claim."""
+
+    peer: str
+    gen: int
+    slot: int = -1
+    conn: Any = None
+    heads: tuple[int, ...] = ()  # () page for page; (first, count) a head slice; count 0 for NULL
+    table: SliceTable | None = None  # a head slice or other page size: what its writes may cover
+    state: LegState = LegState.OPEN
+    claim: Claim | None = None
+    log_problem: VerificationFailed | None = None
+    aux: bytes = b""
+
+    @property
+    def settled(self) -> bool:
+        return self.state in SETTLED
+
+    def describe(self) -> str:
+        heads = f" (heads {self.heads[0]}..{self.heads[0] + self.heads[1] - 1})" if len(self.heads) == 2 else ""
+        return f"writer {self.peer}{heads} generation {self.gen}"
+
+
 @dataclass
 class ReceiveRequest:
-    """One request on the decode side: lifecycle, generation, slot, reserved pages, read leases and outcome; its pages stay held while ``leases`` > 0."""
+    """One request on the decode side: lifecycle, generation, reserved pages, its legs, read leases
+    and outcome; its pages stay held while ``leases`` > 0. ``peer``, ``slot`` and ``conn`` are the
+    first leg's (the only one's, with one writer)."""
 
     rid: Any
     tokens: int
@@ -97,6 +151,7 @@ class ReceiveRequest:
     slot: int = -1
     pages: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     conn: Any = None
+    legs: list[ReceiveLeg] = field(default_factory=list)
     deadline: float = float("inf")
     failure: bool = False  # quarantined because of a failure, not a caller's abort
     abort_after_verify: str | None = None  # abort() arrived while the checksum was being verified
@@ -111,6 +166,25 @@ class ReceiveRequest:
     @property
     def state(self) -> ReceiverState:
         return self.fsm.state
+
+    def leg(self, gen: int) -> ReceiveLeg | None:
+        for leg in self.legs:
+            if leg.gen == gen:
+                return leg
+        return None
+
+    @property
+    def writing(self) -> list[ReceiveLeg]:
+        """The legs that write something."""
+        return [leg for leg in self.legs if leg.state is not LegState.NULL]
+
+    @property
+    def settled(self) -> bool:
+        return all(leg.settled for leg in self.legs)
+
+    @property
+    def sliced(self) -> bool:
+        return any(leg.table is not None for leg in self.legs) or len(self.writing) > 1
 
 
 class Receiver:
@@ -182,16 +256,25 @@ class Receiver:
         return ready[0]
 
     # admission ----------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None) -> ReceiveRequest:
-        """Admit a request: check it can ever fit, reserve pages, open its window, send META.
+    def admit(self, rid: Any, tokens: int, *, peer: str | None = None, pages: Any = None,
+              peers: Sequence[str] | None = None) -> ReceiveRequest:
+        """Admit a request: check it can ever fit, reserve pages, open each writer's window, send META.
 
-        Raises :class:`InvalidArgument` (a request id, token count, peer or page list the API cannot
-        take), :class:`AdmissionRejected` (nothing reserved, writer told), :class:`PoolExhausted`
-        (retry later), :class:`DuplicateRequest` or :class:`PeerError`. On any error the ledger,
-        the windows and the request table are as they were."""
+        ``peer`` names the one writer; ``peers`` the writers of a request whose heads several prefill
+        ranks hold (every rank this one takes KV from, in rank order; each head is written by the first
+        that holds it, the others are told they write nothing). Raises :class:`InvalidArgument` (a
+        request id, token count, peer list or page list the API cannot take),
+        :class:`AdmissionRejected` (nothing reserved, writers told), :class:`PoolExhausted` (retry
+        later), :class:`DuplicateRequest` or :class:`PeerError`. On any error the ledger, the windows
+        and the request table are as they were."""
         rid = check_rid(rid)
         tokens = check_tokens(tokens, rid)
         peer = check_peer(peer, rid)
+        named = check_peers(peers, rid)
+        if peer is not None and named is not None:
+            raise InvalidArgument("give peer or peers, not both", rid=rid)
+        if peer is not None:
+            named = [peer]
         chosen = None if pages is None else page_array(pages, num_pages=self.layout.num_pages, rid=rid)
         with self.lock:
             if rid in self.active:
@@ -199,19 +282,27 @@ class Receiver:
                 raise DuplicateRequest(
                     f"already active in state {live.state.value}", rid=rid, generation=live.gen
                 )
-            req = ReceiveRequest(rid=rid, tokens=tokens, peer=peer or "",
+            req = ReceiveRequest(rid=rid, tokens=tokens, peer=named[0] if named else "",
                                  fsm=Lifecycle("receiver", rid, observer=self.observer))
             rejection = self._admission_problem(req, None)
             if rejection is not None:
-                raise self._reject(req, *rejection, tell_peer=peer is not None)
-            peer_name = peer if peer is not None else self.default_peer()
-            req.peer = peer_name
-            info = self.peers.get(peer_name)
-            if info is None or not info.ready or info.conn is None:
-                raise PeerError(f"peer {peer_name!r} is not connected", rid=rid)
-            rejection = self._admission_problem(req, info)
-            if rejection is not None:
-                raise self._reject(req, *rejection, tell_peer=True)
+                raise self._reject(req, *rejection, tell=named or ())
+            names = named if named is not None else [self.default_peer()]
+            req.peer = names[0]
+            infos = []
+            for name in names:
+                info = self.peers.get(name)
+                if info is None or not info.ready or info.conn is None:
+                    raise PeerError(f"peer {name!r} is not connected", rid=rid)
+                infos.append(info)
+            for info in infos:
+                rejection = self._admission_problem(req, info)
+                if rejection is not None:
+                    raise self._reject(req, *rejection, tell=names)
+            try:
+                plan = self._plan(req.tokens, infos)
+            except ConfigError as exc:
+                raise self._reject(req, "layout_mismatch", exc.detail, tell=names) from None
             needed = self.layout.pages_for_tokens(req.tokens)
             if chosen is None and needed > self.ledger.free_count:
                 raise PoolExhausted(
@@ -221,41 +312,95 @@ class Receiver:
             if chosen is not None and chosen.size != needed:
                 raise InvalidArgument(f"{chosen.size} pages given for {req.tokens} tokens; {needed} needed",
                                       rid=rid)
-            if not self._free_slots:
+            writing = sum(1 for heads, _ in plan if heads[1:] != (0,))
+            if len(self._free_slots) < writing:
                 raise PoolExhausted("no free request slot", rid=rid)
             gen = self._next_gen
             held = self.ledger.allocate(needed, gen) if chosen is None else self.ledger.adopt(chosen, gen)
-            self._next_gen += 1
             req.gen = gen
             req.fsm.generation = gen
-            req.slot = self._free_slots.pop()
             req.pages = held
-            req.conn = info.conn
             req.deadline = self._clock() + self.transfer_timeout
             try:
-                self.guard.open(Window(rid=rid, gen=gen, slot=req.slot, conn=info.conn, pages=held))
-                try:
-                    access = self._grant(info.conn, gen, held)
-                except TransportError as exc:  # its connection broke: as if the peer were not connected
-                    raise PeerError(f"data connection {info.conn} cannot take the request: {exc}", rid=rid,
-                                    generation=gen) from exc
-                meta = m.Meta(rid=rid, gen=gen, slot=req.slot, tokens=req.tokens, pages=held, access=access)
-                req.fsm.to(R.RESERVED, f"{len(held)} pages reserved")
+                metas = [self._open_leg(req, info, heads, shape) for info, (heads, shape) in zip(infos, plan)]
+                req.slot, req.conn = req.legs[0].slot, req.legs[0].conn
+                writers = f" from {writing} writers" if writing > 1 else ""
+                req.fsm.to(R.RESERVED, f"{len(held)} pages reserved{writers}")
                 self.active[rid] = req
                 self._remember(req)
-                self._send(peer_name, meta)
+                for name, meta in metas:
+                    self._send(name, meta)
             except BaseException:
                 self._undo_admission(req)
                 raise
             self.stats["admitted"] += 1
             return req
 
+    def _plan(self, tokens: int, infos: list[PeerInfo]) -> list[tuple[tuple[int, ...], LegShape | None]]:
+        """Each writer's heads (``()``: page for page) and, for a head slice, its shape. Raises
+        :class:`ConfigError` when these writers cannot give this engine every head it holds."""
+        local = self.layout.geometry
+        if local is None or any(info.geometry is None for info in infos):
+            if len(infos) > 1:
+                raise ConfigError("a request from several writers needs layouts that say which heads each engine "
+                                  "holds (a KVGeometry) on every engine")
+            return [((), None)]
+        sizes = {info.geometry.tp_size for info in infos}
+        ranks = [info.geometry.tp_rank for info in infos]
+        wanted = writers_of(local, next(iter(sizes)))
+        if len(sizes) != 1 or ranks != wanted or not all(serves(info.geometry, local) for info in infos):
+            raise ConfigError(
+                f"TP rank {local.tp_rank} of {local.tp_size} takes KV from writer ranks {wanted} of "
+                f"{'/'.join(map(str, sorted(sizes)))}, in that order; given ranks {ranks}")
+        plan: list[tuple[tuple[int, ...], LegShape | None]] = []
+        for info, (first, count) in zip(infos, plan_legs(local, [info.geometry for info in infos])):
+            if not count:
+                plan.append(((first, 0), None))
+                continue
+            plan.append(((first, count), LegShape(
+                tokens=tokens, src_page=info.page_size, dst_page=self.layout.page_size,
+                src_heads=info.geometry.heads[:2], dst_heads=local.heads[:2], leg=(first, count), order=local.order)))
+        return plan
+
+    def _open_leg(self, req: ReceiveRequest, info: PeerInfo, heads: tuple[int, ...],
+                  shape: LegShape | None) -> tuple[str, m.Meta]:
+        """One writer's leg of an admission in progress: generation, slot, window, grant; its META."""
+        if not req.legs:
+            gen = req.gen
+        else:
+            gen = self._next_gen
+        self._next_gen = max(self._next_gen, gen + 1)
+        if heads[1:] == (0,):
+            req.legs.append(ReceiveLeg(peer=info.engine, gen=gen, heads=heads, state=LegState.NULL))
+            return info.engine, m.Meta(rid=req.rid, gen=gen, slot=0, tokens=req.tokens,
+                                       pages=np.empty(0, dtype=np.int64), heads=heads)
+        leg = ReceiveLeg(peer=info.engine, gen=gen, slot=self._free_slots.pop(), conn=info.conn, heads=heads)
+        req.legs.append(leg)
+        if shape is not None and not shape.whole:
+            geometry = self.layout.geometry
+            leg.table = SliceTable(LegAtoms(shape), req.pages, self.layout.item_lens,
+                                   np.array([b.head_bytes for b in geometry.buffers], dtype=np.int64))
+        self.guard.open(Window(rid=req.rid, gen=gen, slot=leg.slot, conn=info.conn, pages=req.pages,
+                               owner_gen=req.gen, table=leg.table))
+        try:
+            access = self._grant(info.conn, gen, req.pages)
+        except TransportError as exc:  # its connection broke: as if the peer were not connected
+            raise PeerError(f"data connection {info.conn} cannot take the request: {exc}", rid=req.rid,
+                            generation=gen) from exc
+        return info.engine, m.Meta(rid=req.rid, gen=gen, slot=leg.slot, tokens=req.tokens, pages=req.pages,
+                                   access=access, heads=heads)
+
     def _undo_admission(self, req: ReceiveRequest) -> None:
         """Admission failed after the reservation (nothing was sent): put everything back."""
-        self._revoke(req.conn, req.gen)
-        self.guard.forget(req.gen)
+        for leg in req.legs:
+            if leg.conn is not None:
+                self._revoke(leg.conn, leg.gen)
+            self.guard.forget(leg.gen)
+            if leg.slot >= 0:
+                self._free_slots.append(leg.slot)
+                leg.slot = -1
+            self.by_gen.pop(leg.gen, None)
         self.ledger.release(req.pages, req.gen, allowed=(PageState.RESERVED,))
-        self._free_slots.append(req.slot)
         req.slot = -1
         if self.active.get(req.rid) is req:
             del self.active[req.rid]
@@ -302,7 +447,7 @@ class Receiver:
         self._next_gen += 1
         return gen
 
-    def _reject(self, req: ReceiveRequest, reason: str, text: str, *, tell_peer: bool) -> AdmissionRejected:
+    def _reject(self, req: ReceiveRequest, reason: str, text: str, *, tell: Sequence[str]) -> AdmissionRejected:
         if not req.gen:
             # A generation names this attempt (nothing is reserved under it), so the writer can tell
             # this REJECT from one of an earlier attempt under the same request id.
@@ -316,8 +461,9 @@ class Receiver:
         self.stats[f"rejected_{reason}"] += 1
         self._remember(req)
         log.info("rejected at admission: %s", req.error)
-        if tell_peer and req.peer in self.peers:
-            self._send(req.peer, m.Reject(rid=req.rid, gen=req.gen, reason=reason, detail=text))
+        for name in tell:
+            if name in self.peers:
+                self._send(name, m.Reject(rid=req.rid, gen=req.gen, reason=reason, detail=text))
         self.changed.notify_all()
         return req.error
 
@@ -331,20 +477,22 @@ class Receiver:
                     f"{msg.TYPE} names no request this engine admitted", rid=msg.rid, generation=msg.gen
                 ))
                 return
-            if req.conn != conn:
+            leg = req.leg(msg.gen)
+            if leg is None or leg.conn != conn:
                 self._complain(conn, msg, StaleGeneration(
-                    f"{msg.TYPE} arrived on connection {conn}, the request lives on {req.conn}",
-                    rid=req.rid, generation=req.gen,
+                    f"{msg.TYPE} arrived on connection {conn}, the request lives on "
+                    f"{leg.conn if leg is not None else req.conn}",
+                    rid=req.rid, generation=msg.gen,
                 ))
                 return
             if isinstance(msg, m.Done):
-                self._on_done(req, msg)
+                self._on_done(req, leg, msg)
             elif isinstance(msg, m.DrainAck):
-                self._on_drained(req, "drain acknowledged", ack=True)
+                self._on_drained(req, leg, "drain acknowledged")
             elif isinstance(msg, m.Reject):
-                self._on_writer_gave_up(req, msg.reason, msg.detail, rejected=True)
+                self._on_writer_gave_up(req, leg, msg.reason, msg.detail, rejected=True)
             elif isinstance(msg, m.Abort):
-                self._on_writer_gave_up(req, msg.reason, msg.detail, rejected=False)
+                self._on_writer_gave_up(req, leg, msg.reason, msg.detail, rejected=False)
             else:
                 self._complain(conn, msg, UnknownRequest(f"{msg.TYPE} is not an ordered message"))
 
@@ -360,47 +508,76 @@ class Receiver:
                         rid=getattr(msg, "rid", "?"), gen=getattr(msg, "gen", 0)),
             )
 
-    def _on_done(self, req: ReceiveRequest, msg: m.Done) -> None:
-        if req.state is R.QUARANTINED:
+    def _on_done(self, req: ReceiveRequest, leg: ReceiveLeg, msg: m.Done) -> None:
+        if leg.state is LegState.STOPPED:
             # The writer finished before it saw our ABORT; DONE is ordered behind its writes.
-            self._on_drained(req, "writer completed before the abort reached it", ack=False)
+            self._settle_leg(req, leg, "writer completed before the abort reached it")
             return
-        if req.state is not R.RESERVED:
-            self._complain(req.conn, msg, StaleGeneration(
-                f"DONE for a request in state {req.state.value}", rid=req.rid, generation=req.gen
+        if leg.state is not LegState.OPEN or req.state is not R.RESERVED:
+            self._complain(leg.conn, msg, StaleGeneration(
+                f"DONE for a request in state {req.state.value}", rid=req.rid, generation=leg.gen
             ))
             return
-        # DONE came behind every write of the generation: from here on no write for it may land (the
-        # NIC refuses it where the transport enforces grants), so the pages verified stay as verified
-        self._revoke(req.conn, req.gen)
-        log_problem = self._record_write_log(req, msg)
-        self.guard.close(req.gen)
-        req.fsm.to(R.VERIFYING, "DONE received")
-        claim = Claim(bytes=msg.bytes, pages=msg.pages, checksum=msg.checksum, algo=msg.algo)
-        req.aux = msg.aux
-        # The window is closed and DONE came behind every write, so the pages cannot change: the
+        # DONE came behind every write of the leg's generation: from here on no write for it may land
+        # (the NIC refuses it where the transport enforces grants), so what it wrote stays as verified
+        self._revoke(leg.conn, leg.gen)
+        leg.log_problem = self._record_write_log(req, leg, msg)
+        self.guard.close(leg.gen)
+        leg.state = LegState.CLAIMED
+        leg.claim = Claim(bytes=msg.bytes, pages=msg.pages, checksum=msg.checksum, algo=msg.algo)
+        leg.aux = msg.aux
+        if not req.settled:
+            return  # other writers still write: verified together once all of them are done
+        req.aux = next((w.aux for w in req.writing if w.aux), b"")
+        req.fsm.to(R.VERIFYING, "DONE received" if len(req.writing) == 1 else "every writer's DONE received")
+        # Every window is closed and each DONE came behind its writes, so the pages cannot change: the
         # checksum pass runs outside the lock, on the verifier (not the thread that lands data).
-        self._defer(lambda: self._verify(req, claim, log_problem))
+        self._defer(lambda: self._verify(req))
 
-    def _verify(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None) -> None:
-        actual = None
-        if log_problem is None and not self.unsafe_legacy and claim.algo == self.checksum.value:
-            actual = self.guard.landed_checksum(req.pages, self.checksum)
-            if actual is None:
-                actual = checksum_pages(self.layout, req.pages, self.checksum)
+    def _verify(self, req: ReceiveRequest) -> None:
+        actuals: list[int | None] = []
+        for leg in req.writing:
+            actual = None
+            assert leg.claim is not None
+            if leg.log_problem is None and not self.unsafe_legacy and leg.claim.algo == self.checksum.value:
+                if leg.table is not None:
+                    addresses, lengths = leg.table.pieces(
+                        np.array([spec.address for spec in self.layout.buffers], dtype=np.int64))
+                    actual = checksum_addresses(self.layout.device, addresses, lengths, self.checksum)
+                else:
+                    actual = self.guard.landed_checksum(req.pages, self.checksum)
+                    if actual is None:
+                        actual = checksum_pages(self.layout, req.pages, self.checksum)
+            actuals.append(actual)
         with self.lock:
-            self._conclude(req, claim, log_problem, actual)
+            self._conclude(req, actuals)
 
-    def _conclude(self, req: ReceiveRequest, claim: Claim, log_problem: VerificationFailed | None,
-                  actual: int | None) -> None:
+    def _conclude(self, req: ReceiveRequest, actuals: list[int | None]) -> None:
+        writing = req.writing
+        several = req.sliced
         try:
-            if log_problem is not None:
-                raise log_problem
-            if not self.unsafe_legacy:
-                verify_completion(
-                    self.pool, self.guard, rid=req.rid, gen=req.gen, pages=req.pages,
-                    claim=claim, algo=self.checksum, actual_checksum=actual,
-                )
+            for leg, actual in zip(writing, actuals):
+                assert leg.claim is not None
+                try:
+                    if leg.log_problem is not None:
+                        raise leg.log_problem
+                    if not self.unsafe_legacy:
+                        verify_completion(
+                            self.pool, self.guard, rid=req.rid, gen=leg.gen, pages=req.pages,
+                            claim=leg.claim, algo=self.checksum, actual_checksum=actual, table=leg.table,
+                            check_poison=not several,
+                        )
+                except VerificationFailed as exc:
+                    if not several:
+                        raise
+                    raise VerificationFailed(f"{leg.describe()}: {exc.detail}", check=exc.check, rid=req.rid,
+                                             generation=req.gen, pages=exc.pages) from None
+            if several and not self.unsafe_legacy:
+                full = next((w.table.full_pages() for w in writing if w.table is not None), req.pages)
+                poisoned = poison_problem(self.pool, full)
+                if poisoned is not None:
+                    raise VerificationFailed(f"transfer not verified: {poisoned[0][1]}", check="poison", rid=req.rid,
+                                             generation=req.gen, pages=poisoned[1][:64])
         except VerificationFailed as exc:
             self.stats["verification_failed"] += 1
             self.stats[f"verification_failed_{exc.check}"] += 1
@@ -408,16 +585,20 @@ class Receiver:
             req.error = exc
             req.fsm.to(R.FAILED, exc.check)
             self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
-            self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=False, reason=exc.check, detail=str(exc)))
+            for leg in writing:
+                self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=exc.check, detail=str(exc)))
             return
         if self.unsafe_legacy:
             # Legacy behaviour: readable whatever landed (the incident's decode side).
             self.ledger.state[req.pages] = PageState.WRITTEN
-        self.ledger.move(req.pages, req.gen, PageState.READABLE, allowed=(PageState.WRITTEN,))
+        # a head slice's pages stay RESERVED while they land (no one writer covers a page); verified here
+        allowed = (PageState.RESERVED, PageState.WRITTEN) if several else (PageState.WRITTEN,)
+        self.ledger.move(req.pages, req.gen, PageState.READABLE, allowed=allowed)
         req.fsm.to(R.READABLE, "verified")
         req.readable_at = time.monotonic()
         self.stats["completed"] += 1
-        self._send(req.peer, m.Result(rid=req.rid, gen=req.gen, ok=True, reason="", detail=""))
+        for leg in writing:
+            self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=True, reason="", detail=""))
         if req.abort_after_verify is not None:
             reason = req.abort_after_verify
             req.error = TransferAborted(reason, reason="aborted", rid=req.rid, generation=req.gen)
@@ -426,8 +607,8 @@ class Receiver:
             self._finish(req, release_from=(PageState.READABLE,))
         self.changed.notify_all()
 
-    def _record_write_log(self, req: ReceiveRequest, msg: m.Done) -> VerificationFailed | None:
-        """Verbs: check DONE's write log against the window and record it, exactly as tcp records writes."""
+    def _record_write_log(self, req: ReceiveRequest, leg: ReceiveLeg, msg: m.Done) -> VerificationFailed | None:
+        """Verbs: check DONE's write log against the leg's window and record it, exactly as tcp records writes."""
         if not msg.runs:
             return None
         from ..errors import ProtocolError, WriteRefused
@@ -435,46 +616,75 @@ class Receiver:
 
         try:
             runs = parse_write_log(msg.runs)
-            window, counts = self.guard.check(req.conn, req.slot, req.gen, runs)
+            window, counts = self.guard.check(leg.conn, leg.slot, leg.gen, runs)
         except (ProtocolError, WriteRefused) as exc:
             return VerificationFailed(f"transfer not verified: write log: {exc.detail}", check="write_log",
-                                      rid=req.rid, generation=req.gen, pages=getattr(exc, "pages", None))
+                                      rid=req.rid, generation=leg.gen, pages=getattr(exc, "pages", None))
         self.guard.record(window, runs, counts)
         return None
 
-    def _on_drained(self, req: ReceiveRequest, why: str, *, ack: bool) -> None:
-        if req.state is not R.QUARANTINED:
+    def _on_drained(self, req: ReceiveRequest, leg: ReceiveLeg, why: str) -> None:
+        if leg.state is not LegState.STOPPED:
             self.stats["unexpected_drain_ack"] += 1
-            self._warn(log, f"{req.peer}/{req.state.value}", "request %r generation %d: drain proof (%s) in state %s ignored",
-                       req.rid, req.gen, why, req.state.value)
+            self._warn(log, f"{leg.peer}/{req.state.value}", "request %r generation %d: drain proof (%s) in state %s ignored",
+                       req.rid, leg.gen, why, req.state.value)
+            return
+        self._settle_leg(req, leg, why)
+
+    def _settle_leg(self, req: ReceiveRequest, leg: ReceiveLeg, why: str) -> None:
+        """A stopped leg proved its drain: nothing more of it can land. The request ends (its pages
+        freed) once every leg has."""
+        leg.state = LegState.DRAINED
+        if req.state is not R.QUARANTINED or not req.settled:
             return
         end = R.FAILED if req.failure else R.ABORTED
         req.fsm.to(end, why)
         self._finish(req, release_from=(PageState.QUARANTINED,))
         self.stats["drained"] += 1
 
-    def _on_writer_gave_up(self, req: ReceiveRequest, reason: str, detail: str, *, rejected: bool) -> None:
-        if req.state is R.QUARANTINED:
-            self._on_drained(req, f"writer {'rejected' if rejected else 'aborted'}: {reason}", ack=False)
+    def _on_writer_gave_up(self, req: ReceiveRequest, leg: ReceiveLeg, reason: str, detail: str, *,
+                           rejected: bool) -> None:
+        if leg.state is LegState.STOPPED:
+            self._settle_leg(req, leg, f"writer {'rejected' if rejected else 'aborted'}: {reason}")
             return
-        if req.state is not R.RESERVED:
-            self._complain(req.conn, m.Abort(rid=req.rid, gen=req.gen, reason=reason, detail=detail),
+        if leg.state is not LegState.OPEN or req.state is not R.RESERVED:
+            self._complain(leg.conn, m.Abort(rid=req.rid, gen=leg.gen, reason=reason, detail=detail),
                            StaleGeneration(f"writer gave up on a request in state {req.state.value}",
-                                           rid=req.rid, generation=req.gen))
+                                           rid=req.rid, generation=leg.gen))
             return
-        self.guard.close(req.gen)
+        self.guard.close(leg.gen)
+        leg.state = LegState.DRAINED
         if rejected:
-            req.error = AdmissionRejected(f"prefill rejected it: {detail}", reason=reason,
-                                          rid=req.rid, generation=req.gen)
-            req.fsm.to(R.REJECTED, reason)
+            error: KvxferError = AdmissionRejected(f"prefill rejected it: {detail}", reason=reason,
+                                                   rid=req.rid, generation=req.gen)
             self.stats["rejected"] += 1
             self.stats[f"rejected_{reason}"] += 1
         else:
-            req.error = TransferAborted(f"prefill aborted it: {detail}", reason=reason,
-                                        rid=req.rid, generation=req.gen)
-            req.fsm.to(R.ABORTED, reason)
+            error = TransferAborted(f"prefill aborted it: {detail}", reason=reason, rid=req.rid, generation=req.gen)
             self.stats["aborted"] += 1
+        req.error = error
+        if not req.settled:  # other writers may still write: stop them, free the pages when they proved it
+            self._quarantine(req, f"{leg.describe()} gave up: {detail}", failure=False)
+            return
+        req.fsm.to(R.REJECTED if rejected else R.ABORTED, reason)
         self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+
+    def _quarantine(self, req: ReceiveRequest, reason: str, *, failure: bool) -> None:
+        """RESERVED -> QUARANTINED: every leg still open is stopped (its window closed, its writer asked
+        to drain) and the pages frozen until each proves it or is fenced (:meth:`tick`)."""
+        req.failure = failure
+        self.ledger.move(req.pages, req.gen, PageState.QUARANTINED,
+                         allowed=(PageState.RESERVED, PageState.WRITTEN))
+        req.fsm.to(R.QUARANTINED, reason)
+        req.deadline = self._clock() + self.drain_timeout
+        self.stats["quarantined"] += 1
+        for leg in req.legs:
+            if leg.state is LegState.OPEN:
+                self.guard.close(leg.gen)
+                leg.state = LegState.STOPPED
+                self._send(leg.peer, m.Abort(rid=req.rid, gen=leg.gen, reason="timeout" if failure else "aborted",
+                                             detail=reason))
+        self.changed.notify_all()
 
     # local calls -------------------------------------------------------------------------------
     def abort(self, rid: Any, reason: str = "aborted by caller", *, failure: bool = False,
@@ -496,25 +706,20 @@ class Receiver:
                 self.stats["aborted"] += 1
                 self._end_reading(req, R.ABORTED, reason)
                 return req
-            self.guard.close(req.gen)
             cls = TransferFailed if failure else TransferAborted
             req.error = cls(reason, reason="timeout" if failure else "aborted", rid=rid, generation=req.gen)
             req.failure = failure
             if self.unsafe_legacy:
                 # Legacy behaviour: free at once, in-flight writes or not (the use-after-free).
+                for leg in req.legs:
+                    self.guard.close(leg.gen)
                 req.fsm.to(R.FAILED if failure else R.ABORTED, reason)
                 self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
-                self._send(req.peer, m.Abort(rid=rid, gen=req.gen, reason="aborted", detail=reason))
+                for leg in req.writing:
+                    self._send(leg.peer, m.Abort(rid=rid, gen=leg.gen, reason="aborted", detail=reason))
                 return req
-            self.ledger.move(req.pages, req.gen, PageState.QUARANTINED,
-                             allowed=(PageState.RESERVED, PageState.WRITTEN))
-            req.fsm.to(R.QUARANTINED, reason)
-            req.deadline = self._clock() + self.drain_timeout
-            self.stats["quarantined"] += 1
             self.stats["aborted" if not failure else "timed_out"] += 1
-            self._send(req.peer, m.Abort(rid=rid, gen=req.gen, reason="timeout" if failure else "aborted",
-                                         detail=reason))
-            self.changed.notify_all()
+            self._quarantine(req, reason, failure=failure)
             return req
 
     def release(self, rid: Any, *, generation: int | None = None) -> None:
@@ -602,21 +807,28 @@ class Receiver:
 
     # connection events -------------------------------------------------------------------------
     def on_connection_closed(self, conn: Any, reason: str) -> list[ReceiveRequest]:
-        """``conn`` is fenced or gone: nothing more can land from it. Settle its requests."""
+        """``conn`` is fenced or gone: nothing more can land from it. Settle its requests' legs; a
+        request whose other writers may still write is quarantined until they proved their drain."""
         with self.lock:
             settled = []
             for req in list(self.active.values()):
-                if req.conn != conn:
+                legs = [leg for leg in req.legs if leg.conn == conn and leg.state in (LegState.OPEN, LegState.STOPPED)]
+                if not legs:
                     continue
+                for leg in legs:
+                    self.guard.close(leg.gen)
+                    leg.state = LegState.DRAINED
                 if req.state is R.RESERVED:
-                    self.guard.close(req.gen)
                     req.error = TransferFailed(f"connection closed: {reason}", reason="connection",
                                                rid=req.rid, generation=req.gen)
+                    self.stats["failed_connection"] += 1
+                    if not req.settled:
+                        self._quarantine(req, f"connection closed: {reason}", failure=True)
+                        continue
                     req.fsm.to(R.FAILED, f"connection closed: {reason}")
                     self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
-                    self.stats["failed_connection"] += 1
                     settled.append(req)
-                elif req.state is R.QUARANTINED:
+                elif req.state is R.QUARANTINED and req.settled:
                     end = R.FAILED if req.failure else R.ABORTED
                     req.fsm.to(end, f"fenced: {reason}")
                     self._finish(req, release_from=(PageState.QUARANTINED,))
@@ -640,12 +852,14 @@ class Receiver:
                 if req.state is R.RESERVED:
                     self.abort(req.rid, f"transfer timed out after {self.transfer_timeout:g} s",
                                failure=True, generation=req.gen)
-                elif req.state is R.QUARANTINED and req.conn is not None:
-                    to_fence.setdefault(
-                        req.conn,
-                        f"no drain proof for request {req.rid!r} generation {req.gen} within "
-                        f"{self.drain_timeout:g} s",
-                    )
+                elif req.state is R.QUARANTINED:
+                    for leg in req.legs:
+                        if leg.state is LegState.STOPPED and leg.conn is not None:
+                            to_fence.setdefault(
+                                leg.conn,
+                                f"no drain proof for request {req.rid!r} generation {leg.gen} within "
+                                f"{self.drain_timeout:g} s",
+                            )
             return list(to_fence.items())
 
     # bookkeeping ---------------------------------------------------------------------------------
@@ -659,15 +873,19 @@ class Receiver:
         return req
 
     def _finish(self, req: ReceiveRequest, *, release_from: tuple[PageState, ...]) -> None:
-        """A request reached a terminal state: free its pages (proof in hand), slot and entry."""
-        if req.conn is not None:
-            self._revoke(req.conn, req.gen)  # before the pages can be reused (idempotent)
+        """A request reached a terminal state: free its pages (proof in hand), slots and entry."""
+        for leg in req.legs:
+            if leg.conn is not None:
+                self._revoke(leg.conn, leg.gen)  # before the pages can be reused (idempotent)
+            self.guard.forget(leg.gen)
+            if leg.slot >= 0:
+                self._free_slots.append(leg.slot)
+                leg.slot = -1
         if req.pages.size:
             self.pool.release(req.pages, req.gen, allowed=release_from)
-        self.guard.forget(req.gen)
-        if req.slot >= 0:
-            self._free_slots.append(req.slot)
-            req.slot = -1
+        if not req.legs:
+            self.guard.forget(req.gen)
+        req.slot = -1
         req.finished = self._clock()
         if self.active.get(req.rid) is req:
             del self.active[req.rid]
@@ -676,8 +894,9 @@ class Receiver:
 
     def _remember(self, req: ReceiveRequest) -> None:
         if req.gen:
-            self.by_gen[req.gen] = req
-            self.by_gen.move_to_end(req.gen)
+            for gen in {req.gen, *(leg.gen for leg in req.legs)}:
+                self.by_gen[gen] = req
+                self.by_gen.move_to_end(gen)
             while len(self.by_gen) > HISTORY_LIMIT:
                 self.by_gen.popitem(last=False)
         if req.fsm.terminal:
@@ -714,14 +933,19 @@ class Receiver:
                 if (req.leases > 0) != (req.state is R.RELEASING) and req.state is not R.READABLE:
                     raise LedgerInvariantError(f"{req.leases} read holds in state {req.state.value}",
                                                rid=req.rid, generation=req.gen)
-                window = self.guard.window(req.gen)
-                if (req.state is R.RESERVED) != bool(window is not None and window.open):
-                    raise LedgerInvariantError(
-                        f"write window {'closed' if req.state is R.RESERVED else 'open'} in state "
-                        f"{req.state.value}", rid=req.rid, generation=req.gen,
-                    )
+                for leg in req.legs:
+                    if leg.state is LegState.NULL:
+                        continue
+                    window = self.guard.window(leg.gen)
+                    should = req.state is R.RESERVED and leg.state is LegState.OPEN
+                    if should != bool(window is not None and window.open):
+                        raise LedgerInvariantError(
+                            f"{leg.describe()}: write window {'closed' if should else 'open'} with the leg "
+                            f"{leg.state.value} in state {req.state.value}", rid=req.rid, generation=req.gen,
+                        )
                 holdings.append((req.rid, req.gen, req.pages, allowed))
             self.ledger.check_custody(holdings)
-            if len(self._free_slots) + len(self.active) != len(set(self._free_slots)) + len(self.active):
+            held = [leg.slot for req in self.active.values() for leg in req.legs if leg.slot >= 0]
+            if len(set(held) | set(self._free_slots)) != len(held) + len(self._free_slots):
                 raise LedgerInvariantError("request slot handed out twice")
             return counts

@@ -18,6 +18,16 @@ Invariants:
 * a request in ``DONE_SENT`` fails after ``result_timeout`` without a RESULT (a decode that took the
   KV and never answers); its sources then follow the same rule, and a link that has not taken its
   writes by then is handed back to the engine to close.
+
+A request has one *leg* per destination: with a decode of more tensor-parallel ranks than this
+prefill (``fanout``, :func:`kvxfer.core.geometry.fanout`), each of those ranks reserves its own pages
+and sends its own META, naming the heads it takes from this prefill (``META.heads``). The request is
+``READY`` when every leg has its destination; each chunk goes to every leg (page for page, or as the
+head slice's runs, :mod:`kvxfer.core.slicing`); each leg gets its own DONE and RESULT, and the request
+succeeds when every leg did. A request fails as one: when one leg fails, every other leg still
+writing is stopped and gets a writer ABORT on its ordered path once its posted writes completed, so
+each decode rank frees its pages at once. A leg that writes nothing (its heads come from another
+prefill rank) completes when it binds. With one destination this is the request as it always was.
 """
 
 from __future__ import annotations
@@ -32,14 +42,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..core.arguments import check_aux, check_count, check_peer, check_rid, check_tokens, page_array
-from ..core.checksum import ChecksumAlgo, checksum_pages
+from ..core.arguments import check_aux, check_count, check_peer, check_peers, check_rid, check_tokens, page_array
+from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages
+from ..core.geometry import KVGeometry, fanout, serves
 from ..core.ledger import PageState
 from ..core.lifecycle import Lifecycle, SenderState
 from ..core.pool import PagePool
 from ..core.runs import WriteBatch, build_batch
+from ..core.slicing import LegAtoms, LegShape, canonical_pieces, chunk_runs
 from ..errors import (
     AdmissionRejected,
+    ConfigError,
     DuplicateRequest,
     InvalidArgument,
     KvxferError,
@@ -60,7 +73,7 @@ HISTORY_LIMIT = 65536
 
 @dataclass
 class DoneBuilder:
-    """DONE for one request, built by the transport when it has sent everything before it."""
+    """DONE for one leg, built by the transport when it has sent everything before it."""
 
     layout: Any
     algo: ChecksumAlgo
@@ -71,6 +84,8 @@ class DoneBuilder:
     batches: list[WriteBatch]
     write_log: bool
     on_built: Callable[[], None] | None = None  # DONE is built: the transport reads no source page for it
+    atoms: LegAtoms | None = None  # a head slice: what the leg writes (None: whole pages)
+    dst_pages: int = 0  # the destination's page count (a head slice's claim)
 
     def checksum(self) -> int:
         if self.algo is ChecksumAlgo.NONE:
@@ -83,19 +98,32 @@ class DoneBuilder:
         if self.batches and all(ready(b) for b in self.batches):
             from ..core.checksum import combine
 
-            nb = self.layout.num_buffers
-            # each batch's sums run buffer-major over its chunk: (buffers, chunk pages); chunks in order
-            per_batch = [b.item_sums.reshape(nb, -1) for b in self.batches]
-            values = np.concatenate(per_batch, axis=1).reshape(-1)
-            lengths = np.repeat(self.layout.item_lens, values.size // nb)
-            return combine(self.algo, values, lengths)
+            # each batch's sums run buffer-major over its chunk, one per unit (a page, or a slice's
+            # piece); a stable sort by buffer puts them in canonical order: buffer by buffer, chunks in order
+            units = [b.unit_lengths(self.layout.item_lens) for b in self.batches]
+            counts = [b.lengths // u for b, u in zip(self.batches, units)]
+            buffers = np.concatenate([np.repeat(b.buffers, c) for b, c in zip(self.batches, counts)])
+            lengths = np.concatenate([np.repeat(u, c) for u, c in zip(units, counts)])
+            values = np.concatenate([b.item_sums for b in self.batches])
+            order = np.argsort(buffers, kind="stable")
+            return combine(self.algo, values[order], lengths[order])
+        if self.atoms is not None:
+            geometry = self.layout.geometry
+            addresses, lengths = canonical_pieces(
+                self.atoms, self.src, source=True, bases=np.array([b.address for b in self.layout.buffers]),
+                items=self.layout.item_lens, head_bytes=np.array([b.head_bytes for b in geometry.buffers]))
+            return checksum_addresses(self.layout.device, addresses, lengths, self.algo)
         return checksum_pages(self.layout, self.src, self.algo)
 
     def __call__(self) -> m.Done:
         log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
-        done = m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
-                      pages=int(self.src.size), checksum=self.checksum(), algo=self.algo.value, aux=self.aux,
-                      runs=log_bytes)
+        if self.atoms is None:
+            nbytes, pages = self.layout.bytes_for_pages(self.src.size), int(self.src.size)
+        else:
+            head_bytes = sum(b.head_bytes for b in self.layout.geometry.buffers)
+            nbytes, pages = self.atoms.count * self.atoms.unit_heads * head_bytes, self.dst_pages
+        done = m.Done(rid=self.rid, gen=self.gen, bytes=nbytes, pages=pages, checksum=self.checksum(),
+                      algo=self.algo.value, aux=self.aux, runs=log_bytes)
         if self.on_built is not None:
             self.on_built()
         return done
@@ -112,8 +140,58 @@ class SenderLink(Protocol):
 
 
 @dataclass
+class SendLeg:
+    """One destination of a request: a decode rank's pages and tag, the link to it, what was posted
+    there (quiescent when every posted write completed) and how it ended."""
+
+    peer: str
+    gen: int
+    slot: int
+    link: Any
+    dst_pages: np.ndarray
+    access: bytes = b""  # META.access: the transport's keys for the destination (verbs memory windows)
+    heads: tuple[int, ...] = ()  # META.heads: () page for page; (first, count) a head slice
+    atoms: LegAtoms | None = None  # a head slice or another page size: the leg's pieces (None: page for page)
+    dst_item_lens: np.ndarray | None = None  # the destination's bytes per page (with atoms)
+    null: bool = False  # nothing to write: its heads come from another writer
+    group: str = ""  # the destination's tensor-parallel group (every leg of a request: the same)
+    rank: int = 0  # its tensor-parallel rank
+    req: Any = None  # the SendRequest
+    posted: int = 0
+    completed: int = 0
+    failed_writes: int = 0
+    bytes_posted: int = 0
+    batches: list[WriteBatch] = field(default_factory=list)
+    done_posted: bool = False  # DONE was posted behind the last write ...
+    done_built: bool = False  # ... and the transport has built it (it reads no source page any more)
+    succeeded: bool = False  # RESULT ok (a null leg: at once)
+    owes: type | None = None  # a drain proof to post once quiescent (DRAIN_ACK or writer ABORT)
+    proof_posted: bool = False
+
+    @property
+    def quiescent(self) -> bool:
+        return self.completed == self.posted
+
+    @property
+    def alive(self) -> bool:
+        return self.link is not None and getattr(self.link, "alive", False)
+
+    @property
+    def drained(self) -> bool:
+        """Nothing of the leg is left on its link: every write completed and, once DONE was posted,
+        DONE built (or the link ended, which takes its queue with it)."""
+        if self.completed != self.posted:
+            return False
+        if not self.done_posted or self.done_built:
+            return True
+        return not self.alive
+
+
+@dataclass
 class SendRequest:
-    """One request on the prefill side: lifecycle, source pages, destination, and posted/completed write counts (quiescent when equal)."""
+    """One request on the prefill side: lifecycle, source pages and its legs (destinations), each with
+    posted/completed write counts (quiescent when equal). ``gen``, ``peer`` and the destination fields
+    are the first leg's (the only one's, with one destination)."""
 
     rid: Any
     tokens: int
@@ -122,26 +200,17 @@ class SendRequest:
     local_gen: int
     external: bool = False
     gen: int = 0
-    slot: int = -1
     peer: str | None = None
-    expected_peer: str | None = None  # admit(peer=...): only this decode may give the destination
-    link: Any = None
-    dst_pages: np.ndarray | None = None
-    access: bytes = b""  # META.access: the transport's keys for the destination (verbs memory windows)
+    expected_peers: list[str] | None = None  # admit(peer=... / peers=...): only these decodes may bind it
+    legs: list[SendLeg] = field(default_factory=list)
+    fanout: int = 1  # destinations the request waits for (known when its first leg binds)
+    src_count: int = 0  # source pages the request sends (its tokens in this engine's pages)
     sent: int = 0
     src_sent: list[np.ndarray] = field(default_factory=list)
-    posted: int = 0
-    completed: int = 0
-    failed_writes: int = 0
-    bytes_posted: int = 0
-    batches: list[WriteBatch] = field(default_factory=list)
     deadline: float = float("inf")
     error: KvxferError | None = None
     placeholder: bool = False
-    ack_with: type = m.DrainAck
     sources_released: bool = False
-    done_posted: bool = False  # DONE was posted behind the last write ...
-    done_built: bool = False  # ... and the transport has built it (it reads no source page any more)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
@@ -150,22 +219,80 @@ class SendRequest:
         return self.fsm.state
 
     @property
+    def expected_peer(self) -> str | None:
+        return self.expected_peers[0] if self.expected_peers and len(self.expected_peers) == 1 else None
+
+    @property
+    def writing(self) -> list[SendLeg]:
+        return [leg for leg in self.legs if not leg.null]
+
+    def _first(self) -> SendLeg | None:
+        return self.legs[0] if self.legs else None
+
+    @property
+    def slot(self) -> int:
+        leg = self._first()
+        return leg.slot if leg is not None else -1
+
+    @property
+    def link(self) -> Any:
+        leg = self._first()
+        return leg.link if leg is not None else None
+
+    @property
+    def dst_pages(self) -> np.ndarray | None:
+        leg = self._first()
+        return leg.dst_pages if leg is not None else None
+
+    @property
+    def access(self) -> bytes:
+        leg = self._first()
+        return leg.access if leg is not None else b""
+
+    @property
+    def batches(self) -> list[WriteBatch]:
+        return [b for leg in self.legs for b in leg.batches]
+
+    @property
+    def posted(self) -> int:
+        return sum(leg.posted for leg in self.legs)
+
+    @property
+    def completed(self) -> int:
+        return sum(leg.completed for leg in self.legs)
+
+    @property
+    def failed_writes(self) -> int:
+        return sum(leg.failed_writes for leg in self.legs)
+
+    @property
+    def bytes_posted(self) -> int:
+        return sum(leg.bytes_posted for leg in self.legs)
+
+    @property
     def quiescent(self) -> bool:
-        return self.completed == self.posted
+        return all(leg.quiescent for leg in self.legs)
 
     @property
     def drained(self) -> bool:
-        """Nothing of the request is left on its link: every write completed and, once DONE was
-        posted, DONE built (or the link ended, which takes its queue with it)."""
-        if self.completed != self.posted:
-            return False
-        if not self.done_posted or self.done_built:
-            return True
-        return self.link is None or not getattr(self.link, "alive", False)
+        """Nothing of the request is left on any of its links (see :attr:`SendLeg.drained`)."""
+        return all(leg.drained for leg in self.legs)
 
     @property
     def total_pages(self) -> int:
-        return len(self.dst_pages) if self.dst_pages is not None else len(self.pages)
+        """Source pages the request sends."""
+        if self.placeholder:
+            return len(self.pages)
+        leg = next((leg for leg in self.legs if not leg.null), None)
+        if leg is not None and leg.atoms is None:
+            return len(leg.dst_pages)
+        return self.src_count
+
+    def leg(self, peer: str, gen: int) -> SendLeg | None:
+        for leg in self.legs:
+            if leg.peer == peer and leg.gen == gen:
+                return leg
+        return None
 
 
 class Sender:
@@ -190,6 +317,7 @@ class Sender:
         result_timeout: float = 120.0,
         max_pending_meta_bytes: int = 64 << 20,
         warn: Callable[..., None] | None = None,
+        peer_layout: Callable[[str], tuple[int, KVGeometry | None]] | None = None,
     ) -> None:
         self.pool = pool
         self.write_log = write_log  # the transport's receiver cannot see writes land: DONE carries the log
@@ -200,18 +328,21 @@ class Sender:
         self.meta_timeout = meta_timeout
         self._send = send or (lambda peer, msg: None)
         self._link_for = link_for or (lambda peer: None)
+        # a receiver's page size and geometry, from its HELLO
+        self._peer_layout = peer_layout or (lambda peer: (self.layout.page_size, None))
         self.lock = lock or threading.RLock()
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
         self.active: dict[Any, SendRequest] = {}
         self.by_gen: OrderedDict[tuple[str, int], SendRequest] = OrderedDict()
         self.recent: OrderedDict[Any, SendRequest] = OrderedDict()
-        self.pending_meta: dict[Any, tuple[str, m.Meta, float]] = {}
+        # destinations for requests not admitted yet: rid -> [(peer, META, deadline)], one per decode rank
+        self.pending_meta: dict[Any, list[tuple[str, m.Meta, float]]] = {}
         self.max_pending_meta = max_pending_meta
         self.max_pending_meta_bytes = max_pending_meta_bytes  # page-list bytes held per peer in pending_meta
         self._pending_bytes: Counter[str] = Counter()  # per peer; may run high (removals do not count), never low
         self.result_timeout = result_timeout
-        # terminal requests whose sources wait for their link to drain (DONE built, or the link gone)
+        # terminal requests whose sources wait for their links to drain (DONE built, or the link gone)
         self.undrained: dict[int, SendRequest] = {}
         # warn(logger, limit_key, msg, *args): a WARNING a peer can provoke (the engine rate limits it)
         self._warn = warn or (lambda target, _key, msg, *args: target.warning(msg, *args))
@@ -228,18 +359,25 @@ class Sender:
         self.changed = threading.Condition(self.lock)
 
     # admission ----------------------------------------------------------------------------------
-    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None) -> SendRequest:
+    def admit(self, rid: Any, tokens: int, *, external_pages: bool = False, peer: str | None = None,
+              peers: list[str] | None = None) -> SendRequest:
         """Admit a prompt: reject what can never fit, else hold source pages for it.
 
         With ``external_pages`` the engine's own allocator owns the source pages and passes them to
         :meth:`send` (SGLang); kvxfer then holds none. With ``peer`` only that decode engine may give
         the request its destination or reject it; any other peer's META/REJECT for it is refused.
+        ``peers``: the same for a request that goes to several decode ranks (each sends its own META).
 
         Raises :class:`InvalidArgument` before anything is held for an id, token count or peer the
         API cannot take."""
         rid = check_rid(rid)
         tokens = check_tokens(tokens, rid)
         peer = check_peer(peer, rid)
+        expected = check_peers(peers, rid)
+        if peer is not None:
+            if expected is not None:
+                raise InvalidArgument("give peer or peers, not both", rid=rid)
+            expected = [peer]
         with self.lock:
             if rid in self.active:
                 live = self.active[rid]
@@ -248,7 +386,8 @@ class Sender:
             self.refused.pop(rid, None)  # a new attempt under that id
             fsm = Lifecycle("sender", rid, observer=self.observer)
             req = SendRequest(rid=rid, tokens=tokens, fsm=fsm, pages=np.empty(0, dtype=np.int64),
-                              local_gen=0, external=external_pages, expected_peer=peer)
+                              local_gen=0, external=external_pages, expected_peers=expected,
+                              src_count=self.layout.pages_for_tokens(tokens))
             problem = self._admission_problem(tokens)
             if problem is not None and self.unsafe_legacy and problem[0] == "exceeds_pool":
                 # The incident's path: swap the prompt for a one-page placeholder and carry on.
@@ -262,10 +401,9 @@ class Sender:
                 self.stats["rejected"] += 1
                 self.stats[f"rejected_{reason}"] += 1
                 log.info("rejected at admission: %s", req.error)
-                pending = self.pending_meta.pop(rid, None)
-                if pending is not None:
-                    req.gen = pending[1].gen  # the decode's attempt this rejection answers
-                    self._reject_meta(pending[0], pending[1], reason, text)
+                for pending_peer, msg, _deadline in self.pending_meta.pop(rid, []):
+                    req.gen = req.gen or msg.gen  # the decode's attempt this rejection answers
+                    self._reject_meta(pending_peer, msg, reason, text)
                 remembered = self.peer_rejections.pop(rid, None)
                 if remembered is not None and not req.gen:
                     req.gen = remembered[0].gen  # both roles refused that attempt: settled
@@ -286,21 +424,22 @@ class Sender:
             self.active[rid] = req
             self.stats["admitted"] += 1
             rejection = self.peer_rejections.pop(rid, None)
-            if rejection is not None and peer is not None and rejection[2] != peer:
+            if rejection is not None and expected is not None and rejection[2] not in expected:
                 rejection = None  # another decode's word about a request it does not serve
             if rejection is not None:
                 req.gen = rejection[0].gen
                 self._fail(req, AdmissionRejected(f"decode rejected it: {rejection[0].detail}",
                                                   reason=rejection[0].reason, rid=rid, generation=req.gen or None))
                 return req
-            pending = self.pending_meta.pop(rid, None)
-            if pending is not None and peer is not None and pending[0] != peer:
-                self._error(pending[0], pending[1], PeerError(
-                    f"META from {pending[0]!r}, but the request was admitted for decode {peer!r}",
-                    rid=rid, generation=pending[1].gen))
-                pending = None
-            if pending is not None:
-                self._bind_meta(req, pending[0], pending[1])
+            for pending_peer, msg, _deadline in self.pending_meta.pop(rid, []):
+                if req.fsm.terminal:
+                    self._reject_meta(pending_peer, msg, "failed", f"request {rid!r} failed: {req.error}")
+                elif expected is not None and pending_peer not in expected:
+                    self._error(pending_peer, msg, PeerError(
+                        f"META from {pending_peer!r}, but the request was admitted for decode "
+                        f"{', '.join(map(repr, expected))}", rid=rid, generation=msg.gen))
+                elif req.state is S.ADMITTED:
+                    self._bind_meta(req, pending_peer, msg)
             return req
 
     def _admission_problem(self, tokens: int) -> tuple[str, str] | None:
@@ -339,67 +478,126 @@ class Sender:
             if refusal is not None:
                 self.stats["refused_meta"] += 1
                 self._reject_meta(peer, msg, refusal[0], refusal[1])
+                if fanout(self.layout.geometry, self._geometry_of(peer)) > 1:
+                    self.refused[msg.rid] = refusal  # every decode rank of the request hears it
                 return
             if req is None:
-                old = self.recent.get(msg.rid)
-                if old is not None and old.state is S.REJECTED and old.gen == 0 and old.tokens == msg.tokens:
-                    # This prefill already refused this prompt (before its META arrived): answer it.
-                    # A META for another size is a retry under the same id and waits for admission.
-                    old.gen = msg.gen
-                    self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
-                    return
-                held = self.pending_meta.get(msg.rid)
-                if held is not None and held[0] != peer:
-                    self._error(peer, msg, PeerError(
-                        f"META while a destination from {held[0]!r} is already pending for it",
-                        rid=msg.rid, generation=msg.gen))
-                    return
-                most = self.layout.pages_for_tokens(self.max_context)
-                if len(msg.pages) > most and not self.unsafe_legacy:
-                    # no prompt this prefill admits needs that many pages: never held, answered at once
-                    self.stats["oversized_meta"] += 1
-                    text = (f"{len(msg.pages):,} destination pages, more than the {most:,} of the longest prompt "
-                            f"this prefill admits ({self.max_context:,} tokens)")
-                    self._warn(log, f"{peer}/oversized", "refused META %r from %s: %s", msg.rid, peer, text)
-                    self._reject_meta(peer, msg, "exceeds_context", text)
-                    return
-                if held is None and len(self.pending_meta) >= self.max_pending_meta and sum(
-                        1 for p in self.pending_meta.values() if p[0] == peer) >= self.max_pending_meta:
-                    self.stats["flood_refused"] += 1
-                    self._error(peer, msg, PeerError(
-                        f"{self.max_pending_meta} destinations from this peer already wait for requests not "
-                        "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
-                    return
-                size = int(msg.pages.nbytes) + len(msg.access)  # page list and transport keys (verbs windows)
-                if self._pending_bytes[peer] + size > self.max_pending_meta_bytes:
-                    held_bytes = sum(int(p[1].pages.nbytes) + len(p[1].access) for p in self.pending_meta.values()
-                                     if p[0] == peer)
-                    self._pending_bytes[peer] = held_bytes  # the running count only ever overestimates
-                    if held_bytes + size > self.max_pending_meta_bytes:
-                        self.stats["meta_bytes_refused"] += 1
-                        self._error(peer, msg, PeerError(
-                            f"destinations from this peer already hold {held_bytes:,} bytes of page lists for "
-                            f"requests not admitted here (max_pending_meta_bytes {self.max_pending_meta_bytes:,}); "
-                            "refusing more", rid=msg.rid, generation=msg.gen))
-                        return
-                self._pending_bytes[peer] += size
-                self.pending_meta[msg.rid] = (peer, msg, self._clock() + self.meta_timeout)
+                self._hold_meta(peer, msg)
                 return
-            if req.expected_peer is not None and peer != req.expected_peer:
+            if req.expected_peers is not None and peer not in req.expected_peers:
                 self._error(peer, msg, PeerError(
-                    f"META from {peer!r}, but the request was admitted for decode {req.expected_peer!r}",
-                    rid=msg.rid, generation=msg.gen))
+                    f"META from {peer!r}, but the request was admitted for decode "
+                    f"{', '.join(map(repr, req.expected_peers))}", rid=msg.rid, generation=msg.gen))
                 return
-            if req.peer and peer != req.peer:  # any_peer: the first META bound it to another decode
+            if req.legs and req.fanout == 1 and peer != req.peer:  # any_peer: the first META bound it
                 self._error(peer, msg, PeerError(
                     f"META from {peer!r}, but the request is bound to decode {req.peer!r}",
                     rid=msg.rid, generation=msg.gen))
                 return
-            if req.state is not S.ADMITTED:
+            if req.state is not S.ADMITTED or any(leg.peer == peer for leg in req.legs):
                 self._error(peer, msg, StaleGeneration(
                     f"META for a request already in state {req.state.value}", rid=msg.rid, generation=msg.gen))
                 return
             self._bind_meta(req, peer, msg)
+
+    def _hold_meta(self, peer: str, msg: m.Meta) -> None:
+        """A destination for a request not admitted here (yet): answered at once if this prefill already
+        refused it or it can never be admitted, else held (capped per peer) until admission or meta_timeout."""
+        ranks = fanout(self.layout.geometry, self._geometry_of(peer))
+        old = self.recent.get(msg.rid)
+        if old is not None and old.state is S.REJECTED and old.tokens == msg.tokens and (old.gen == 0 or ranks > 1):
+            # This prefill already refused this prompt (before its META arrived): answer it (every
+            # decode rank of it). A META for another size is a retry under the same id and waits.
+            old.gen = old.gen or msg.gen
+            self._reject_meta(peer, msg, old.error.reason, old.error.detail)  # type: ignore[union-attr]
+            return
+        held = [e for e in self.pending_meta.get(msg.rid, []) if e[0] != peer]  # a newer one from a peer replaces its own
+        if len(held) >= ranks:
+            self._error(peer, msg, PeerError(
+                f"META while a destination from {held[0][0]!r} is already pending for it",
+                rid=msg.rid, generation=msg.gen))
+            return
+        most = -(-self.max_context // max(1, self._page_size_of(peer)))  # in the receiver's pages
+        if len(msg.pages) > most and not self.unsafe_legacy:
+            # no prompt this prefill admits needs that many pages: never held, answered at once
+            self.stats["oversized_meta"] += 1
+            text = (f"{len(msg.pages):,} destination pages, more than the {most:,} of the longest prompt "
+                    f"this prefill admits ({self.max_context:,} tokens)")
+            self._warn(log, f"{peer}/oversized", "refused META %r from %s: %s", msg.rid, peer, text)
+            self._reject_meta(peer, msg, "exceeds_context", text)
+            return
+        mine = sum(1 for entries in self.pending_meta.values() for p, _m, _d in entries if p == peer)
+        if not held and len(self.pending_meta) >= self.max_pending_meta and mine >= self.max_pending_meta:
+            self.stats["flood_refused"] += 1
+            self._error(peer, msg, PeerError(
+                f"{self.max_pending_meta} destinations from this peer already wait for requests not "
+                "admitted here; refusing more", rid=msg.rid, generation=msg.gen))
+            return
+        size = int(msg.pages.nbytes) + len(msg.access)  # page list and transport keys (verbs windows)
+        if self._pending_bytes[peer] + size > self.max_pending_meta_bytes:
+            held_bytes = sum(int(e[1].pages.nbytes) + len(e[1].access) for entries in self.pending_meta.values()
+                             for e in entries if e[0] == peer)
+            self._pending_bytes[peer] = held_bytes  # the running count only ever overestimates
+            if held_bytes + size > self.max_pending_meta_bytes:
+                self.stats["meta_bytes_refused"] += 1
+                self._error(peer, msg, PeerError(
+                    f"destinations from this peer already hold {held_bytes:,} bytes of page lists for "
+                    f"requests not admitted here (max_pending_meta_bytes {self.max_pending_meta_bytes:,}); "
+                    "refusing more", rid=msg.rid, generation=msg.gen))
+                return
+        self._pending_bytes[peer] += size
+        self.pending_meta[msg.rid] = held + [(peer, msg, self._clock() + self.meta_timeout)]
+
+    def _page_size_of(self, peer: str) -> int:
+        return self._peer_layout(peer)[0]
+
+    def _geometry_of(self, peer: str) -> KVGeometry | None:
+        return self._peer_layout(peer)[1]
+
+    def _leg_plan(self, req: SendRequest, peer: str, msg: m.Meta) -> tuple[SendLeg | None, str]:
+        """The leg a META describes, or why it cannot be served (a size or layout mismatch)."""
+        writer = self.layout.geometry
+        receiver = self._geometry_of(peer)
+        heads = tuple(msg.heads)
+        leg = SendLeg(peer=peer, gen=msg.gen, slot=msg.slot, link=None, dst_pages=msg.pages, access=msg.access,
+                      heads=heads, req=req)
+        if receiver is not None:
+            leg.group, leg.rank = receiver.group, receiver.tp_rank
+        if not heads:  # page for page: the layouts must pair one to one
+            if writer is not None and receiver is not None and not (
+                    self._page_size_of(peer) == self.layout.page_size and writer.heads == receiver.heads):
+                return None, "META names no heads, but the two layouts differ (heads or page size)"
+            expected = len(msg.pages) if self.unsafe_legacy else self.layout.pages_for_tokens(req.tokens)
+            if msg.tokens != req.tokens or len(msg.pages) != expected:
+                return None, (f"decode reserved {len(msg.pages)} pages for {msg.tokens} tokens, prefill admitted "
+                              f"{req.tokens} tokens ({expected} pages)")
+            return leg, ""
+        if writer is None or receiver is None:
+            return None, "META names heads, but a layout without a geometry cannot be sliced"
+        first, count = heads
+        if msg.tokens != req.tokens:
+            return None, f"decode reserved for {msg.tokens} tokens, prefill admitted {req.tokens} tokens"
+        if not serves(writer, receiver):
+            return None, (f"decode TP rank {receiver.tp_rank} of {receiver.tp_size} does not take KV from this "
+                          f"prefill (TP rank {writer.tp_rank} of {writer.tp_size})")
+        if not count:
+            if len(msg.pages):
+                return None, "META writes nothing (heads count 0) but names destination pages"
+            leg.null = True
+            return leg, ""
+        try:
+            shape = LegShape(tokens=req.tokens, src_page=self.layout.page_size, dst_page=self._page_size_of(peer),
+                             src_heads=writer.heads[:2], dst_heads=receiver.heads[:2], leg=(first, count),
+                             order=writer.order)
+        except ConfigError as exc:
+            return None, exc.detail
+        if len(msg.pages) != shape.dst_pages:
+            return None, (f"decode reserved {len(msg.pages)} pages for {msg.tokens} tokens, "
+                          f"{shape.dst_pages} of {shape.dst_page} tokens needed")
+        if not shape.whole:
+            leg.atoms = LegAtoms(shape)
+            leg.dst_item_lens = np.array([b.item_len(shape.dst_page) for b in receiver.buffers], dtype=np.int64)
+        return leg, ""
 
     def _bind_meta(self, req: SendRequest, peer: str, msg: m.Meta) -> None:
         link = self._link_for(peer)
@@ -407,27 +605,44 @@ class Sender:
             self._fail(req, TransferFailed(f"no data connection to {peer}", reason="connection",
                                            rid=req.rid, generation=msg.gen))
             return
-        expected = len(msg.pages) if self.unsafe_legacy else self.layout.pages_for_tokens(req.tokens)
-        if msg.tokens != req.tokens or len(msg.pages) != expected:
-            text = (f"decode reserved {len(msg.pages)} pages for {msg.tokens} tokens, prefill admitted "
-                    f"{req.tokens} tokens ({expected} pages)")
-            req.gen = msg.gen
-            req.peer = peer
-            req.link = link
-            link.post_ordered(m.Reject(rid=req.rid, gen=msg.gen, reason="size_mismatch", detail=text),
+        leg, problem = self._leg_plan(req, peer, msg)
+        if leg is not None and req.legs:
+            first = req.legs[0]
+            if leg.group != first.group or leg.rank in {other.rank for other in req.legs}:
+                problem = (f"decode {peer!r} (group {leg.group!r}, TP rank {leg.rank}) is not another rank of "
+                           f"the group that bound the request ({first.group!r}, ranks "
+                           f"{sorted(other.rank for other in req.legs)})")
+                self._error(peer, msg, PeerError(problem, rid=req.rid, generation=msg.gen))
+                return
+        if leg is None:
+            if not req.legs:
+                req.gen = msg.gen
+                req.peer = peer
+            link.post_ordered(m.Reject(rid=req.rid, gen=msg.gen, reason="size_mismatch", detail=problem),
                               slot=msg.slot, gen=msg.gen)
-            self._fail(req, TransferFailed(text, reason="size_mismatch", rid=req.rid, generation=msg.gen))
+            self._fail(req, TransferFailed(problem, reason="size_mismatch", rid=req.rid, generation=msg.gen))
             return
-        req.gen = msg.gen
-        req.fsm.generation = msg.gen
-        req.slot = msg.slot
-        req.peer = peer
-        req.link = link
-        req.dst_pages = msg.pages
-        req.access = msg.access
-        req.deadline = float("inf")
-        req.fsm.to(S.READY, "destination received")
+        leg.link = link
+        if not req.legs:
+            req.gen = msg.gen
+            req.fsm.generation = msg.gen
+            req.peer = peer
+            req.fanout = fanout(self.layout.geometry, self._geometry_of(peer))
+        req.legs.append(leg)
         self.by_gen[(peer, msg.gen)] = req
+        if leg.null:
+            leg.succeeded = True
+        if len(req.legs) < req.fanout:
+            self.changed.notify_all()
+            return
+        req.deadline = float("inf")
+        req.fsm.to(S.READY, "destination received" if req.fanout == 1 else f"all {req.fanout} destinations received")
+        if not req.writing:  # every decode rank takes its heads from another prefill rank
+            req.fsm.to(S.TRANSFERRING, "nothing to write: other writers hold the heads the decodes take")
+            req.fsm.to(S.DONE_SENT, "nothing to write")
+            req.fsm.to(S.SUCCEEDED, "nothing to write")
+            self.stats["succeeded"] += 1
+            self._finish(req)
         self.changed.notify_all()
 
     def _reject_meta(self, peer: str, msg: m.Meta, reason: str, text: str) -> None:
@@ -439,15 +654,20 @@ class Sender:
             self._send(peer, m.Reject(rid=msg.rid, gen=msg.gen, reason=reason, detail=text))
 
     def on_abort(self, peer: str, msg: m.Abort) -> None:
-        """The receiver aborted ``msg.gen``: stop writing it and acknowledge once drained."""
+        """The receiver aborted ``msg.gen``: stop writing the request and acknowledge once drained."""
         with self.lock:
             req = self.by_gen.get((peer, msg.gen))
-            if req is None or req.rid != msg.rid:
+            leg = req.leg(peer, msg.gen) if req is not None and req.rid == msg.rid else None
+            if leg is None:
                 self.stats["stale_abort"] += 1
-                pending = self.pending_meta.get(msg.rid)
-                if pending is not None and pending[1].gen == msg.gen:
+                entries = self.pending_meta.get(msg.rid, [])
+                kept = [e for e in entries if not (e[0] == peer and e[1].gen == msg.gen)]
+                if len(kept) != len(entries):
                     # Never bound, so never written; and now it never will be.
-                    del self.pending_meta[msg.rid]
+                    if kept:
+                        self.pending_meta[msg.rid] = kept
+                    else:
+                        del self.pending_meta[msg.rid]
                 # Nothing of ours is in flight for that generation, which is exactly what an ack says.
                 link = self._link_for(peer)
                 if link is not None and msg.gen:
@@ -457,7 +677,7 @@ class Sender:
             self.stats["aborted_by_peer"] += 1
             error = TransferAborted(f"decode aborted: {msg.detail}", reason=msg.reason,
                                     rid=req.rid, generation=req.gen)
-            self._stop(req, error, ack_with=m.DrainAck)
+            self._stop(req, error, ack_with=m.DrainAck, asking=leg)
 
     def on_reject(self, peer: str, msg: m.Reject) -> None:
         """The receiver rejected the request at its admission (it never reserved pages)."""
@@ -480,35 +700,40 @@ class Sender:
                 self.peer_rejections[msg.rid] = (msg, self._clock() + self.meta_timeout, peer)
                 self.stats["peer_rejections_remembered"] += 1
                 return
-            owner = req.expected_peer or req.peer
-            if owner is not None and peer != owner:
-                self._error(peer, msg, PeerError(f"REJECT from {peer!r} for a request that decode {owner!r} serves",
+            owners = req.expected_peers or ([req.peer] if req.peer and req.fanout == 1 else None)
+            if owners is not None and peer not in owners:
+                self._error(peer, msg, PeerError(f"REJECT from {peer!r} for a request that decode "
+                                                 f"{', '.join(map(repr, owners))} serves",
                                                  rid=msg.rid, generation=msg.gen))
                 return
-            if req.state is not S.ADMITTED:
+            if req.state is not S.ADMITTED or any(leg.peer == peer for leg in req.legs):
                 self.stats["stale_reject"] += 1
                 return
-            req.peer = peer
-            req.gen = msg.gen
+            if not req.legs:
+                req.peer = peer
+                req.gen = msg.gen
             self._fail(req, AdmissionRejected(f"decode rejected it: {msg.detail}", reason=msg.reason,
                                               rid=req.rid, generation=msg.gen or None))
 
     def on_result(self, peer: str, msg: m.Result) -> None:
         with self.lock:
             req = self.by_gen.get((peer, msg.gen))
-            if req is not None and req.rid == msg.rid and req.done_posted and not req.done_built:
-                req.done_built = True  # the decode answers DONE: it was built and sent
+            leg = req.leg(peer, msg.gen) if req is not None and req.rid == msg.rid else None
+            if leg is not None and leg.done_posted and not leg.done_built:
+                leg.done_built = True  # the decode answers DONE: it was built and sent
                 self._maybe_release(req)
-            if req is None or req.rid != msg.rid or req.state is not S.DONE_SENT:
+            if leg is None or req.state is not S.DONE_SENT or leg.succeeded or leg.null:
                 self.stats["stale_result"] += 1
                 return
-            if msg.ok:
-                req.fsm.to(S.SUCCEEDED, "receiver verified")
+            if not msg.ok:
+                self._fail(req, TransferFailed(f"decode could not verify: {msg.detail}", reason=msg.reason,
+                                               rid=req.rid, generation=req.gen), culprit=leg)
+                return
+            leg.succeeded = True
+            if all(other.succeeded for other in req.legs):
+                req.fsm.to(S.SUCCEEDED, "receiver verified" if len(req.writing) == 1 else "every receiver verified")
                 self.stats["succeeded"] += 1
                 self._finish(req)
-            else:
-                self._fail(req, TransferFailed(f"decode could not verify: {msg.detail}", reason=msg.reason,
-                                               rid=req.rid, generation=req.gen))
 
     def _error(self, peer: str, msg: m.Message, error: KvxferError) -> None:
         self.stats[f"refused_{error.code}"] += 1
@@ -529,6 +754,7 @@ class Sender:
         otherwise pages this request holds and has not sent yet. Without them the chunk is the
         next ``count`` held pages (``count`` in [1, pages left]; default: all left). ``ready`` (a
         CUDA event or anything with ``wait()``) is waited on before the source pages are read.
+        Every destination gets the chunk (its pages, or its heads' slice of them).
         Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
             req = self._lookup(rid)
@@ -536,52 +762,64 @@ class Sender:
                 why = f": {req.error}" if req.error is not None else ""
                 raise TransferFailed(f"cannot send in state {req.state.value}{why}", reason="state",
                                      rid=rid, generation=req.gen or None)
-            assert req.dst_pages is not None
-            remaining = req.total_pages - req.sent
-            if req.placeholder:
-                remaining = len(req.pages) - req.sent
-            total = len(req.pages) if req.placeholder else req.total_pages
+            total = req.total_pages
+            remaining = total - req.sent
             aux = check_aux(aux, req.rid, req.gen)
             if src_pages is not None:
                 if count is not None:
                     raise InvalidArgument("give src_pages or count, not both", rid=rid, generation=req.gen)
                 chunk = self._check_chunk(req, src_pages)
             else:
-                take = remaining if count is None else min(check_count(count, req.total_pages, rid, req.gen),
-                                                           remaining)
+                # the placeholder's caller counts in the destination's pages (the incident's path)
+                limit = len(req.dst_pages) if req.placeholder and req.dst_pages is not None else total
+                take = remaining if count is None else min(check_count(count, limit, rid, req.gen), remaining)
                 chunk = req.pages[req.sent : req.sent + take]
             if chunk.size > remaining:
                 raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send",
                                       rid=rid, generation=req.gen)
             if chunk.size:
-                dst = req.dst_pages[req.sent : req.sent + chunk.size]
-                batch = build_batch(self.layout, chunk, dst, slot=req.slot, gen=req.gen)
-                batch.owner = req
-                batch.ready = ready
-                batch.access = req.access
-                batch.final = req.sent + chunk.size == total
-                self._sum_later(batch)
-                req.posted += len(batch)
-                req.bytes_posted += batch.nbytes
-                req.batches.append(batch)
+                final = req.sent + chunk.size == total
+                for leg in req.writing:
+                    batch = self._batch(req, leg, chunk, final)
+                    batch.ready = ready
+                    self._sum_later(batch)
+                    leg.posted += len(batch)
+                    leg.bytes_posted += batch.nbytes
+                    leg.batches.append(batch)
+                    self.stats["writes_posted"] += len(batch)
+                    self.stats["bytes_posted"] += batch.nbytes
+                    if req.state is S.READY:
+                        req.fsm.to(S.TRANSFERRING, "first chunk posted")
+                    try:
+                        leg.link.post_writes(batch, self._on_complete)
+                    except TransportError as exc:
+                        leg.completed += len(batch)
+                        leg.failed_writes += len(batch)
+                        self._fail(req, TransferFailed(f"could not post writes to {leg.peer}: {exc}", reason="transport",
+                                                       rid=rid, generation=req.gen), culprit=leg)
+                        return req
                 req.src_sent.append(chunk)
                 req.sent += chunk.size
-                if req.state is S.READY:
-                    req.fsm.to(S.TRANSFERRING, "first chunk posted")
-                self.stats["writes_posted"] += len(batch)
-                self.stats["bytes_posted"] += batch.nbytes
-                try:
-                    req.link.post_writes(batch, self._on_complete)
-                except TransportError as exc:
-                    req.completed += len(batch)
-                    req.failed_writes += len(batch)
-                    self._fail(req, TransferFailed(f"could not post writes: {exc}", reason="transport",
-                                                   rid=rid, generation=req.gen))
-                    return req
             last = req.sent == total
             if last and req.state in (S.TRANSFERRING, S.READY):
                 self._post_done(req, aux)
             return req
+
+    def _batch(self, req: SendRequest, leg: SendLeg, chunk: np.ndarray, final: bool) -> WriteBatch:
+        """The chunk's writes to one leg: page for page, or the head slice's runs."""
+        if leg.atoms is None:
+            dst = leg.dst_pages[req.sent : req.sent + chunk.size]
+            batch = build_batch(self.layout, chunk, dst, slot=leg.slot, gen=leg.gen)
+        else:
+            runs = chunk_runs(leg.atoms, req.sent, chunk, leg.dst_pages, self.layout.item_lens, leg.dst_item_lens,
+                              np.array([b.head_bytes for b in self.layout.geometry.buffers], dtype=np.int64))
+            batch = WriteBatch(slot=leg.slot, gen=leg.gen, buffers=runs.buffers, src_offsets=runs.src_offsets,
+                               dst_offsets=runs.dst_offsets, lengths=runs.lengths, units=runs.units,
+                               dst_item_lens=leg.dst_item_lens)
+        batch.owner = leg
+        batch.access = leg.access
+        batch.final = final
+        return batch
 
     def _check_chunk(self, req: SendRequest, src_pages: Any) -> np.ndarray:
         """Explicit source pages: distinct, in range and, unless external, held by this request
@@ -615,7 +853,7 @@ class Sender:
 
         event = threading.Event()
         batch.sums_ready = event
-        items = self.layout.item_lens.astype(np.uint64)[batch.buffers]
+        items = batch.unit_lengths(self.layout.item_lens).astype(np.uint64)
         bases = np.array([spec.address for spec in self.layout.buffers], dtype=np.uint64)
         addresses = bases[batch.buffers] + batch.src_offsets.astype(np.uint64)
         lengths = batch.lengths.astype(np.uint64)
@@ -634,25 +872,27 @@ class Sender:
 
     def _post_done(self, req: SendRequest, aux: bytes) -> None:
         src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
-        # The transport builds DONE when it reaches it, behind every write of the request; the source
-        # checksums were computed meanwhile on the checksum thread (or it reads the pages once).
-        done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=req.gen, aux=aux,
-                           src=src, batches=list(req.batches),
-                           write_log=self.write_log, on_built=lambda: self._done_built(req))
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
-        req.done_posted = True
-        req.link.post_ordered(done, slot=req.slot, gen=req.gen)
+        for leg in req.writing:
+            # The transport builds DONE when it reaches it, behind every write of the leg; the source
+            # checksums were computed meanwhile (or it reads the pages once).
+            done = DoneBuilder(layout=self.layout, algo=self.checksum, rid=req.rid, gen=leg.gen, aux=aux,
+                               src=src, batches=list(leg.batches), write_log=self.write_log,
+                               on_built=lambda leg=leg: self._done_built(leg), atoms=leg.atoms,
+                               dst_pages=len(leg.dst_pages))
+            leg.done_posted = True
+            leg.link.post_ordered(done, slot=leg.slot, gen=leg.gen)
         req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
         req.deadline = self._clock() + self.result_timeout  # a decode that never answers cannot pin the sources
         self.stats["done_sent"] += 1
         self.changed.notify_all()
 
-    def _done_built(self, req: SendRequest) -> None:
-        """Transport thread: DONE of ``req`` is built; its sources may go once the request ended."""
+    def _done_built(self, leg: SendLeg) -> None:
+        """Transport thread: DONE of ``leg`` is built; the request's sources may go once it ended."""
         with self.lock:
-            req.done_built = True
-            self._maybe_release(req)
+            leg.done_built = True
+            self._maybe_release(leg.req)
             self.changed.notify_all()
 
     def refuse(self, rid: Any, reason: str, detail: str) -> None:
@@ -665,74 +905,83 @@ class Sender:
             if rid in self.active:
                 self.abort(rid, detail)
                 return
-            pending = self.pending_meta.pop(rid, None)
-            if pending is not None:
+            pending = self.pending_meta.pop(rid, [])
+            for peer, msg, _deadline in pending:
                 self.stats["refused_meta"] += 1
-                self._reject_meta(pending[0], pending[1], reason, detail)
+                self._reject_meta(peer, msg, reason, detail)
+            if pending and fanout(self.layout.geometry, self._geometry_of(pending[0][0])) <= len(pending):
                 return
             if len(self.refused) >= self.max_pending_meta:
                 self.refused.pop(next(iter(self.refused)))
             self.refused[rid] = (reason, detail, self._clock() + self.meta_timeout)
 
     def abort(self, rid: Any, reason: str = "aborted by caller") -> SendRequest:
-        """Stop a request. Its receiver learns it on the ordered path once posted writes completed."""
+        """Stop a request. Its receivers learn it on the ordered path once posted writes completed."""
         with self.lock:
             req = self._lookup(rid)
             if req.fsm.terminal or req.state is S.DRAINING:
                 return req
             error = TransferAborted(reason, reason="aborted", rid=rid, generation=req.gen or None)
             self.stats["aborted"] += 1
-            if req.state is S.ADMITTED:
+            if req.state in (S.ADMITTED, S.DONE_SENT):
                 req.error = error
                 req.fsm.to(S.ABORTED, reason)
-                self._finish(req)
-                return req
-            if req.state is S.DONE_SENT:
-                req.error = error
-                req.fsm.to(S.ABORTED, reason)
+                if req.state is S.ABORTED and req.legs and not all(leg.done_posted for leg in req.writing):
+                    for leg in req.writing:  # bound, nothing posted: tell them now
+                        leg.owes = m.Abort
+                    self._post_owed(req)
                 self._finish(req)
                 return req
             self._stop(req, error, ack_with=m.Abort)
             return req
 
-    def _stop(self, req: SendRequest, error: KvxferError, *, ack_with: type) -> None:
-        """Cancel unposted work and send the drain proof (``ack_with``) once quiescent."""
+    def _stop(self, req: SendRequest, error: KvxferError, *, ack_with: type, asking: SendLeg | None = None) -> None:
+        """Cancel unposted work and send each leg its drain proof (``ack_with`` to the leg that asked,
+        every leg when the caller did; a writer ABORT to the others) once quiescent."""
         if req.fsm.terminal or req.state is S.DRAINING:
             return
         req.error = error
+        for leg in req.writing:
+            leg.owes = ack_with if asking is None or leg is asking else m.Abort
         if req.state is S.DONE_SENT:
             # DONE was ordered behind every write; it already proves the drain.
+            for leg in req.writing:
+                leg.owes = None
             req.fsm.to(S.ABORTED, "aborted after DONE")
         elif req.state in (S.ADMITTED, S.READY):
             # Nothing was posted: the proof can go at once.
             req.fsm.to(S.ABORTED, error.detail)
-            if req.state is S.ABORTED and req.link is not None:
-                self._post_drain_proof(req, ack_with)
+            self._post_owed(req)
         else:
-            for batch in req.batches:
-                batch.cancelled = True
+            for leg in req.legs:
+                for batch in leg.batches:
+                    batch.cancelled = True
             req.fsm.to(S.DRAINING, error.detail)
-            req.ack_with = ack_with
             self._maybe_drained(req)
             return
         self._finish(req)
 
-    def _post_drain_proof(self, req: SendRequest, ack_with: type) -> None:
-        if req.link is None:
-            return
-        if ack_with is m.DrainAck:
-            msg: m.Message = m.DrainAck(rid=req.rid, gen=req.gen, posted=req.posted, completed=req.completed)
-        else:
-            msg = m.Abort(rid=req.rid, gen=req.gen, reason="aborted", detail=str(req.error))
-        try:
-            req.link.post_ordered(msg, slot=req.slot, gen=req.gen)
-            self.stats["drain_acks" if ack_with is m.DrainAck else "aborts_sent"] += 1
-        except TransportError as exc:
-            log.warning("could not post drain proof for %r generation %d: %s", req.rid, req.gen, exc)
+    def _post_owed(self, req: SendRequest) -> None:
+        """Post every drain proof a leg owes, once its posted writes all completed."""
+        for leg in req.legs:
+            if leg.owes is None or leg.proof_posted or not leg.quiescent:
+                continue
+            leg.proof_posted = True
+            if leg.link is None:
+                continue
+            if leg.owes is m.DrainAck:
+                msg: m.Message = m.DrainAck(rid=req.rid, gen=leg.gen, posted=leg.posted, completed=leg.completed)
+            else:
+                msg = m.Abort(rid=req.rid, gen=leg.gen, reason="aborted", detail=str(req.error))
+            try:
+                leg.link.post_ordered(msg, slot=leg.slot, gen=leg.gen)
+                self.stats["drain_acks" if leg.owes is m.DrainAck else "aborts_sent"] += 1
+            except TransportError as exc:
+                log.warning("could not post drain proof for %r generation %d: %s", req.rid, leg.gen, exc)
 
     def _maybe_drained(self, req: SendRequest) -> None:
+        self._post_owed(req)
         if req.state is S.DRAINING and req.quiescent:
-            self._post_drain_proof(req, req.ack_with)
             req.fsm.to(S.ABORTED, f"drained: {req.posted} writes completed")
             self._finish(req)
 
@@ -745,36 +994,41 @@ class Sender:
         4 KiB pages) cost the send thread a third of its time in GIL hand-offs to waiters that went
         back to sleep (py-spy, tcp bench, 4 KiB pages)."""
         with self.lock:
-            req = batch.owner
-            if req is None:
+            leg = batch.owner
+            if leg is None:
                 return
+            req = leg.req
             state = req.state
-            req.completed += ok + failed
-            req.failed_writes += failed
+            leg.completed += ok + failed
+            leg.failed_writes += failed
             self.stats["writes_completed"] += ok + failed
             if failed and not batch.cancelled and req.state in (S.TRANSFERRING, S.DONE_SENT):
                 self._fail(req, TransferFailed(f"{failed} writes failed on the wire", reason="write_error",
-                                               rid=req.rid, generation=req.gen))
+                                               rid=req.rid, generation=req.gen), culprit=leg)
             self._maybe_drained(req)
             self._maybe_release(req)
-            if req.quiescent or req.state is not state:
+            if leg.quiescent or req.state is not state:
                 self.changed.notify_all()
 
     def on_connection_closed(self, link: Any, reason: str) -> None:
         """The data connection is gone (dead peer or fence): settle every request bound to it."""
         with self.lock:
             for req in list(self.undrained.values()):
-                if req.link is link:
+                if any(leg.link is link for leg in req.legs):
                     self._maybe_release(req)
             for req in list(self.active.values()):
-                if req.link is not link:
+                legs = [leg for leg in req.legs if leg.link is link]
+                if not legs:
                     continue
+                for leg in legs:
+                    leg.proof_posted = leg.owes is not None  # no proof can travel on it any more
                 if req.state is S.DRAINING:
-                    req.fsm.to(S.ABORTED, f"connection closed: {reason}")
-                    self._finish(req)
-                elif not req.fsm.terminal and req.state is not S.ADMITTED:
+                    if all(leg.quiescent or leg.link is link for leg in req.legs):
+                        req.fsm.to(S.ABORTED, f"connection closed: {reason}")
+                        self._finish(req)
+                elif not req.fsm.terminal and (req.state is not S.ADMITTED or len(req.legs)):
                     self._fail(req, TransferFailed(f"connection closed: {reason}", reason="connection",
-                                                   rid=req.rid, generation=req.gen))
+                                                   rid=req.rid, generation=req.gen), culprit=legs[0])
 
     def tick(self) -> list[tuple[Any, str]]:
         """Timeouts and expiries; returns the links (with why) whose writes a failed request still
@@ -784,20 +1038,24 @@ class Sender:
             now = self._clock()
             for req in list(self.active.values()):
                 if req.state is S.ADMITTED and now >= req.deadline:
+                    bound = f" ({len(req.legs)} of {req.fanout} bound)" if req.legs else ""
                     self._fail(req, TransferFailed(
-                        f"no destination from decode within {self.meta_timeout:g} s", reason="timeout",
+                        f"no destination from decode within {self.meta_timeout:g} s{bound}", reason="timeout",
                         rid=req.rid))
                 elif req.state is S.DONE_SENT and now >= req.deadline:
                     # The decode took DONE (or never read the writes before it) and never answered:
                     # fail, and free the sources by the drain rule of an abort after DONE.
                     self.stats["result_timeouts"] += 1
+                    silent = [leg for leg in req.writing if not leg.succeeded]
+                    names = ", ".join(repr(leg.peer) for leg in silent)
                     self._fail(req, TransferFailed(
-                        f"no RESULT from decode {req.peer!r} within {self.result_timeout:g} s of DONE",
-                        reason="result_timeout", rid=req.rid, generation=req.gen))
-                    if not req.quiescent and req.link is not None:
-                        stuck.append((req.link, f"request {req.rid!r} generation {req.gen}: "
-                                                f"{req.posted - req.completed} writes not taken within "
-                                                f"{self.result_timeout:g} s"))
+                        f"no RESULT from decode {names} within {self.result_timeout:g} s of DONE",
+                        reason="result_timeout", rid=req.rid, generation=req.gen), culprit=silent[0] if silent else None)
+                    for leg in silent:
+                        if not leg.quiescent and leg.link is not None:
+                            stuck.append((leg.link, f"request {req.rid!r} generation {leg.gen}: "
+                                                    f"{leg.posted - leg.completed} writes not taken within "
+                                                    f"{self.result_timeout:g} s"))
             for req in list(self.undrained.values()):
                 self._maybe_release(req)  # its link may have ended without telling
             for rid, (_msg, deadline, _peer) in list(self.peer_rejections.items()):
@@ -806,12 +1064,19 @@ class Sender:
             for rid, (_reason, _detail, deadline) in list(self.refused.items()):
                 if now >= deadline:
                     del self.refused[rid]
-            for rid, (peer, msg, deadline) in list(self.pending_meta.items()):
-                if now >= deadline:
-                    del self.pending_meta[rid]
+            for rid, entries in list(self.pending_meta.items()):
+                kept = []
+                for peer, msg, deadline in entries:
+                    if now < deadline:
+                        kept.append((peer, msg, deadline))
+                        continue
                     self.stats["meta_expired"] += 1
                     self._reject_meta(peer, msg, "not_admitted",
                                       f"prefill never admitted request {rid!r} within {self.meta_timeout:g} s")
+                if kept:
+                    self.pending_meta[rid] = kept
+                else:
+                    del self.pending_meta[rid]
             if not self.pending_meta and self._pending_bytes:
                 self._pending_bytes.clear()
         return stuck
@@ -824,15 +1089,22 @@ class Sender:
             raise UnknownRequest("never admitted here (or forgotten)", rid=rid)
         return req
 
-    def _fail(self, req: SendRequest, error: KvxferError) -> None:
+    def _fail(self, req: SendRequest, error: KvxferError, *, culprit: SendLeg | None = None) -> None:
+        """The request failed as one. Every other leg still writing is stopped and told (a writer
+        ABORT once quiescent), so its decode frees its pages at once; with one destination there is
+        no other leg, and nothing more is sent."""
         if req.fsm.terminal:
             return
-        for batch in req.batches:
-            batch.cancelled = True
+        for leg in req.legs:
+            for batch in leg.batches:
+                batch.cancelled = True
+            if leg is not culprit and not leg.null and not leg.done_posted and leg.alive:
+                leg.owes = m.Abort
         req.error = error
         req.fsm.to(S.FAILED, error.code)
         self.stats["failed"] += 1
         log.info("%s", error)
+        self._post_owed(req)
         self._finish(req)
 
     def _finish(self, req: SendRequest) -> None:
@@ -850,7 +1122,8 @@ class Sender:
             return
         req.sources_released = True
         self.undrained.pop(id(req), None)
-        req.batches = []
+        for leg in req.legs:
+            leg.batches = []
         if req.pages.size and not req.external:
             self.pool.release(req.pages, req.local_gen, allowed=(PageState.RESERVED,))
 

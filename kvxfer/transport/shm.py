@@ -666,10 +666,11 @@ class ShmReceiver(ReceiverBackend):
         if lib is not None:
             lengths = runs["length"].astype(np.uint64)
             dst = self._dst_base[runs["buffer"]] + runs["offset"]
-            items = self._items[runs["buffer"]] if self._sum_fn is not None else lengths
+            summed = self._sum_fn is not None and window.table is None  # a head slice is summed at verification
+            items = self._items[runs["buffer"]] if summed else lengths
             base = ring.base
             rc, raw = lib.ring_copy(dst.tobytes(), lengths.tobytes(), items.tobytes(),
-                                    -1 if self._sum_fn is None else self._sum_fn, self._sum_initial, SUM_CHUNK,
+                                    self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK,
                                     ring.data, ring.size, inbound.consumer, 1, base + W_PRODUCER, base + W_CONSUMER,
                                     base + W_READER_STATE, READER_FENCED, base + W_WRITER_STATE, WRITER_CLOSED,
                                     inbound.writer_pid or 0, base + W_READER_WANT, base + W_WRITER_WANT)
@@ -932,7 +933,7 @@ class ShmLink(FrameLink):
             lengths = cut.lengths.astype(np.uint64)
             src = self._src_base[buffers] + cut.src_offsets.astype(np.uint64)
             summed = self._sum_fn is not None and batch.sums_ready is None
-            items = self._items[buffers] if summed else lengths
+            items = cut.units.astype(np.uint64) if summed else lengths
             base = ring.base
             rc, raw = lib.ring_copy(src.tobytes(), lengths.tobytes(), items.tobytes(),
                                     self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK,

@@ -547,14 +547,15 @@ class TcpReceiver(ReceiverBackend):
                 remaining -= chunk
             return
         t0 = time.perf_counter()
+        summed = window.table is None  # a head slice's pieces are not whole items: summed at verification
         if staging is not None:
-            sums = self._land_staged(sock, runs, header.payload_len, staging)
+            sums = self._land_staged(sock, runs, header.payload_len, staging, summed)
             self.payload_seconds += time.perf_counter() - t0
             self.guard.record(window, runs, counts, sums)
             return
         sums = None
         if native.lib is not None:
-            sums = self._recv_runs_native(sock, runs, self._dst_base[runs["buffer"]] + runs["offset"])
+            sums = self._recv_runs_native(sock, runs, self._dst_base[runs["buffer"]] + runs["offset"], summed)
         else:
             for buffer, offset, length in zip(
                 runs["buffer"].tolist(), runs["offset"].tolist(), runs["length"].tolist()
@@ -563,13 +564,14 @@ class TcpReceiver(ReceiverBackend):
         self.payload_seconds += time.perf_counter() - t0
         self.guard.record(window, runs, counts, sums)
 
-    def _land_staged(self, sock: socket.socket, runs: np.ndarray, payload_len: int, staging: Staging) -> Any:
+    def _land_staged(self, sock: socket.socket, runs: np.ndarray, payload_len: int, staging: Staging,
+                     summed: bool = True) -> Any:
         """Receive a WRITE payload into a staging buffer, then copy its runs to the pages (async)."""
         buffer, base = staging.take()
         lengths = runs["length"].astype(np.uint64)
         sums = None
         if native.lib is not None:
-            sums = self._recv_runs_native(sock, runs, np.uint64(base) + packed_offsets(lengths))
+            sums = self._recv_runs_native(sock, runs, np.uint64(base) + packed_offsets(lengths), summed)
         else:
             recv_exact(sock, memoryview(buffer)[:payload_len])
         destinations = self._dst_base[runs["buffer"]] + runs["offset"]
@@ -577,10 +579,12 @@ class TcpReceiver(ReceiverBackend):
         staging.mark_pending()
         return sums
 
-    def _recv_runs_native(self, sock: socket.socket, runs: np.ndarray, addresses: np.ndarray) -> Any:
-        """Receive the payload's runs at ``addresses`` in C; the item checksums when checksums are on."""
+    def _recv_runs_native(self, sock: socket.socket, runs: np.ndarray, addresses: np.ndarray,
+                          summed: bool = True) -> Any:
+        """Receive the payload's runs at ``addresses`` in C; the item checksums when checksums are on
+        (and ``summed``: the runs are whole items)."""
         lengths = runs["length"].astype(np.uint64)
-        if self._sum_fn is None:
+        if self._sum_fn is None or not summed:
             native.lib.recv_runs(sock.fileno(), addresses.tobytes(), lengths.tobytes())
             return None
         items = self.layout.item_lens.astype(np.uint64)[runs["buffer"]]
@@ -804,7 +808,7 @@ class TcpLink(FrameLink):
             if self._sum_fn is None or batch.sums_ready is not None:
                 native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
             else:
-                items = self.layout.item_lens.astype(np.uint64)[buffers]
+                items = cut.units.astype(np.uint64)
                 raw = native.lib.send_runs_summed(self._sock.fileno(), header + runs, addresses.tobytes(),
                                                   lengths.tobytes(), items.tobytes(), self._sum_fn,
                                                   self._sum_initial, SEND_SUM_CHUNK)

@@ -900,7 +900,8 @@ class VerbsLink(SenderLink):
             self._tables[batch.gen] = table
             while len(self._tables) > 4096:
                 self._tables.popitem(last=False)
-        return table.rkeys(batch.buffers, batch.dst_offsets, batch.lengths, self.layout.item_lens)
+        items = batch.dst_item_lens if batch.dst_item_lens is not None else self.layout.item_lens
+        return table.rkeys(batch.buffers, batch.dst_offsets, batch.lengths, items)
 
     def _post_batch(self, batch: WriteBatch, on_complete: Any, decision: dict[str, bool] | None = None) -> None:
         n = len(batch)

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..core.geometry import KVGeometry
 from . import frames as f
 from . import messages as m
 
@@ -48,11 +49,20 @@ def example_messages() -> dict[str, m.Message]:
             engine="prefill-a", role="prefill", session=SESSION, ok=True, error="", page_size=64,
             num_pages=10645, item_lens=[4096, 4096], pool_tokens=681280, max_context=1048576,
         ),
+        "HELLO_TP": m.Hello(
+            engine="decode-b1", role="decode", session=SESSION, reply_to="tcp://10.0.0.3:5601",
+            transport="tcp", page_size=64, num_pages=32768,
+            item_lens=[32768, 32768], pool_tokens=2097152, max_context=1048576, checksum="adler32",
+            geometry=KVGeometry.attention(layers=1, total_heads=8, head_dim=64, itemsize=2, dtype="bfloat16",
+                                          tp_rank=1, tp_size=2, group="decode-b"),
+        ),
         "CONNECT": m.Connect(engine="prefill-a", epoch=1, proof=m.connect_proof(SESSION, NONCE, "prefill-a", 1)),
         "META": m.Meta(rid="req-42", gen=7, slot=3, tokens=300, pages=np.array([9, 10, 11, 40, 41], dtype=np.int64)),
         "META_INT_RID": m.Meta(rid=18446744073709551615, gen=8, slot=65535, tokens=1, pages=np.array([0])),
         "META_VERBS": m.Meta(rid="req-42", gen=7, slot=3, tokens=300, pages=np.array([9, 10, 11, 40, 41], dtype=np.int64),
                              access=VERBS_META_ACCESS),
+        "META_SLICE": m.Meta(rid="req-44", gen=9, slot=4, tokens=300, pages=np.array([3, 4, 5, 6, 7], dtype=np.int64),
+                             heads=(4, 4)),
         "REJECT": m.Reject(rid="req-43", gen=0, reason="exceeds_pool",
                            detail="prompt of 800,000 tokens can never fit this prefill pool of 681,280 tokens"),
         "ABORT": m.Abort(rid="req-42", gen=7, reason="aborted", detail="client disconnected"),
@@ -92,6 +102,12 @@ def _jsonable(value: Any) -> Any:
         return {"hex": value.hex()}
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, KVGeometry):
+        return value.wire()
+    if value is None:
+        return []  # a geometry the layout does not have: [] on the wire
+    if isinstance(value, tuple):
+        return list(value)
     return value
 
 

@@ -22,10 +22,12 @@ import msgpack
 import numpy as np
 
 from ..core.arguments import MAX_RID_STR, U64
+from ..core.geometry import KVGeometry
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: META.access (per-request memory windows); 2: OFFER/ACCEPT carry each
-# transport's handshake (1 had VERBS_INFO/VERBS_CONNECT)
+PROTOCOL_VERSION = 4  # 4: HELLO/HELLO_ACK.geometry and META.heads (unequal TP and page sizes);
+# 3: META.access (per-request memory windows); 2: OFFER/ACCEPT carry each transport's handshake
+# (1 had VERBS_INFO/VERBS_CONNECT)
 MAX_BLOB = 1 << 20
 PROOF_BYTES = 32
 _PROOF_CONTEXT = b"kvxfer connect proof v2\x00"
@@ -149,6 +151,30 @@ class _Pages(Kind):
         return np.frombuffer(bytes(value), dtype="<u4").astype(np.int64)
 
 
+class _Geometry(Kind):
+    """A layout's geometry (:meth:`KVGeometry.wire`): ``[]`` when the layout has none."""
+
+    name = "geometry"
+
+    def check(self, value: Any) -> KVGeometry | None:
+        if value is None or isinstance(value, KVGeometry):
+            return value
+        return KVGeometry.from_wire(value)
+
+
+class _Heads(Kind):
+    """A leg's heads: ``[]`` (page for page) or ``[first, count]`` (count 0: nothing to write)."""
+
+    name = "array<uint32>[0|2]"
+
+    def check(self, value: Any) -> tuple[int, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected an array, got {type(value).__name__}")
+        if len(value) not in (0, 2):
+            raise ValueError(f"heads is [] or [first, count], got {len(value)} numbers")
+        return tuple(_UInt((1 << 32) - 1).check(v) for v in value)
+
+
 UINT = _UInt()
 U32 = _UInt((1 << 32) - 1)
 STR = _Str()
@@ -253,6 +279,9 @@ class Hello(Message):
     pool_tokens: int = _f(UINT, "tokens the sender's pool holds")
     max_context: int = _f(UINT, "sender's configured maximum context length (tokens)")
     checksum: str = _f(STR, "checksum algorithm the sender expects: 'adler32' or 'crc32'")
+    geometry: Any = _f(_Geometry(), "what each buffer's page holds: [tp_rank, tp_size, group, [[layer, kind, "
+                       "head_start, head_count, total_heads, head_bytes, dtype, order], ...]] (SPEC §1.2); [] when "
+                       "the layout does not say (pages then pair one to one, equal item lengths only)", None)
 
 
 @_register
@@ -275,6 +304,7 @@ class HelloAck(Message):
     item_lens: list = _f(_UIntList(), "bytes per page of each buffer")
     pool_tokens: int = _f(UINT, "tokens the writer's pool holds")
     max_context: int = _f(UINT, "writer's configured maximum context length")
+    geometry: Any = _f(_Geometry(), "the writer's geometry, as in HELLO", None)
 
 
 @_register
@@ -315,6 +345,13 @@ class Meta(Message):
         "rkey u32> records, bound on the queue pair of connection epoch only and invalidated when the request "
         "ends (SPEC §3.2); empty when the OFFER's keys apply (tcp, shm, verbs without windows)",
         b"",
+    )
+    heads: tuple = _f(
+        _Heads(),
+        "this writer's share of the request (SPEC §1.2): [] = every page, page for page (equal layouts); "
+        "[first, count] = KV heads first..first+count-1 of every buffer, placed by the two geometries "
+        "(count 0: nothing to write, pages empty; the writer's half of the request completes for it)",
+        (),
     )
 
 
@@ -489,6 +526,8 @@ class Error(Message):
 
 
 def _to_wire(kind: Kind, value: Any) -> Any:
+    if isinstance(kind, _Geometry):
+        return [] if value is None else value.wire()
     if isinstance(kind, _Pages):
         array = np.asarray(value)
         if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
@@ -604,7 +643,8 @@ def schema() -> dict[str, Any]:
                 entry["max_len"] = kind.max_len
             if f.default is not dataclasses.MISSING:
                 default = f.default
-                entry["default"] = default.hex() if isinstance(default, bytes) else default
+                entry["default"] = (default.hex() if isinstance(default, bytes) else list(default)
+                                    if isinstance(default, tuple) else [] if isinstance(kind, _Geometry) else default)
             fields.append(entry)
         out["messages"][name] = {"doc": cls.DOC, "fields": fields}
     return out

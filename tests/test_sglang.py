@@ -424,20 +424,31 @@ def test_an_early_send_waits_for_the_forward_pass_event(pd):
         assert np.array_equal(got, want)
 
 
-def test_a_prefill_with_another_tp_size_is_refused_naming_both(tiny_model, monkeypatch):
+def test_a_prefill_the_decode_cannot_serve_fails_both_halves_at_once(tiny_model):
+    """A decode that refuses a prefill before its own admission runs (here: unequal TP with a pool kvxfer
+    cannot describe) fails its half and tells the prefill ranks, read from the bootstrap registry: the
+    prefill's sender fails within a second, not at SGLang's bootstrap timeout."""
     port = free_ports(1)[0]
     server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
     prefill = Rank(DisaggregationMode.PREFILL, 8, port, context=8 * PAGE, model=tiny_model)
     decode = Rank(DisaggregationMode.DECODE, 8, port, context=8 * PAGE, model=tiny_model)
     try:
-        decode.mgr.attn_tp_size = 2  # as a TP-2 decode rank would have it
+        assert decode.mgr.geometry is not None and prefill.mgr.geometry is not None  # described pools
+        decode.mgr.attn_tp_size, decode.mgr.geometry, decode.mgr.no_geometry = 2, None, "draft-model KV buffers"
+        sender = get_kv_class(BACKEND, KVClassType.SENDER)(mgr=prefill.mgr, bootstrap_addr=prefill.bootstrap_addr,
+                                                            bootstrap_room=99)
         receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
                                                                 bootstrap_room=99)
         assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)
+        t0 = time.monotonic()
         receiver.init(prefill_dp_rank=0)
         assert receiver.poll() == KVPoll.Failed
-        with pytest.raises(KVTransferError, match="prefill attention TP 1 != decode 2"):
+        with pytest.raises(KVTransferError, match="prefill attention TP 1 != decode 2, and kvxfer cannot describe"):
             receiver.failure_exception()
+        assert _poll_until(sender, {KVPoll.Failed}, timeout=5) == KVPoll.Failed
+        assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+        with pytest.raises(KVTransferError, match="cannot describe this decode's pool"):
+            sender.failure_exception()
     finally:
         decode.close()
         prefill.close()

@@ -36,10 +36,23 @@ The schedulers' contract, and how it is kept (SGLang 0.5.23's prefill.py and dec
   checker forgets the bootstrap address, and the next request re-resolves it (a restarted prefill
   has a new kvxfer engine: the receiver re-peers when its cached peer is gone).
 
+* Unequal attention TP: each rank's pool carries a geometry (:mod:`.layout`: its KV heads, head
+  size, dtype, NHD order), so a decode rank takes every head it holds from the prefill ranks SGLang's
+  rank mapping names (``bootstrap_infos``, in rank order): each writes its heads' slice of every page,
+  a prefill rank none of whose heads it needs (MLA's other ranks) is told it writes nothing, and a
+  prefill rank serving several decode ranks reports ``WaitingForInput`` only when all of their
+  destinations arrived.
+* A refusal reaches both halves: whatever the decode refuses before its admission (a prefill it
+  cannot serve, a peering refused for its layout) it tells the prefill ranks of the request at once
+  (:meth:`~kvxfer.DecodeEngine.refuse`), so their half fails within a second instead of at SGLang's
+  bootstrap timeout.
+
 Refused at startup, naming the setting: DP attention or ``--dp-size`` above 1, context or pipeline
 parallelism, decode-side context parallelism, hybrid state buffers, the decode radix cache
-(``decode_prefix_len``), allocation policies other than ``early``. Unequal TP is refused at the
-first request to that prefill, naming both sizes.
+(``decode_prefix_len``), allocation policies other than ``early``. Refused at the first request to a
+prefill, naming the reason: different page sizes or KV dtypes (SGLang's own check), prefill DP, CP or
+PP above 1, sharded MLA KV (``--enable-kv-cache-sharding``), and unequal TP for a pool kvxfer cannot
+describe (draft-model KV).
 """
 
 from __future__ import annotations
@@ -60,10 +73,12 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from ...core.geometry import fanout
 from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import AdmissionRejected, KvxferError, PeerError
+from .layout import pool_geometry
 from .reasons import ADMISSION_REFUSED
 from .settings import engine_config
 
@@ -81,6 +96,29 @@ R, S = ReceiverState, SenderState
 def _engine_config(server_args: Any, pool_tokens: int, rank: int) -> EngineConfig:
     """kvxfer settings for a scheduler rank: :func:`.settings.engine_config` over ``os.environ``."""
     return engine_config(server_args, pool_tokens, rank)
+
+
+def _rank_geometry(args: KVArgs, server_args: Any, mode: DisaggregationMode, is_mla: bool) -> tuple[Any, str]:
+    """This rank's pool as a KVGeometry (:func:`.layout.pool_geometry`), from SGLang's KV args, its
+    parallel layout and the model's KV head count."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    tp_size = int(parallel.attn_tp_size or 1)
+    tp_rank = int(getattr(args, "engine_rank", 0) or 0) % tp_size
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if not total and not is_mla:
+        try:
+            from sglang.srt.runtime_context import process_model_config
+
+            total = int(process_model_config().get_total_num_kv_heads())
+        except Exception as exc:  # a pool without a model config: described no further
+            log.debug("kvxfer: the model's KV head count is unknown: %s", exc)
+    group = f"sglang-{mode.value}@{getattr(server_args, 'host', '')}:{getattr(server_args, 'port', '')}"
+    return pool_geometry(item_lens=args.kv_item_lens, page_size=int(args.page_size), is_mla=is_mla,
+                         total_heads=total, tp_rank=tp_rank, tp_size=tp_size,
+                         dtype=str(getattr(args, "kv_cache_dtype_str", "") or ""), group=group,
+                         extra_buffers=int(getattr(args, "num_draft_entries", 0) or 0))
 
 
 def unsupported_settings(args: KVArgs, server_args: Any, mode: DisaggregationMode) -> list[str]:
@@ -118,8 +156,12 @@ class KvxferKVManager(CommonKVManager):
         problems = unsupported_settings(args, server_args, disaggregation_mode)
         if problems:
             raise RuntimeError("kvxfer transfer backend cannot serve this configuration: " + "; ".join(problems))
+        self.geometry, self.no_geometry = _rank_geometry(args, server_args, disaggregation_mode, bool(is_mla_backend))
+        if self.geometry is None:
+            log.info("kvxfer: this rank's pool has no geometry (%s): prefill and decode need equal TP sizes",
+                     self.no_geometry)
         self.layout = KVLayout.from_pointers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
-                                             page_size=int(args.page_size))
+                                             page_size=int(args.page_size), geometry=self.geometry)
         self.aux = [(int(p), int(n)) for p, n in zip(args.aux_data_ptrs or [], args.aux_item_lens or [])]
         self.aux_bytes = sum(n for _, n in self.aux)
         rank = int(getattr(args, "engine_rank", 0) or 0)
@@ -142,6 +184,8 @@ class KvxferKVManager(CommonKVManager):
         self._deferred: dict[int, int] = {}
         self._custody: dict[int, int] = {}
         self.unsupported_prefill: dict[str, str] = {}
+        self._prefill_ranks: dict[tuple[str, int], list[str]] = {}  # bootstrap address -> rank addresses
+        self.peering_error: dict[tuple[str, int], str] = {}  # prefill rank -> why its last peering failed
         try:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             # Common binds a PULL socket for its own messages; kvxfer's control plane replaces it.
@@ -173,9 +217,15 @@ class KvxferKVManager(CommonKVManager):
             return True
         info = self.prefill_info_table[bootstrap_addr]
         problems = []
-        if info.attn_tp_size != self.attn_tp_size:
-            problems.append(f"prefill attention TP {info.attn_tp_size} != decode {self.attn_tp_size} "
-                            "(kvxfer needs equal TP sizes)")
+        if info.attn_tp_size != self.attn_tp_size and self.geometry is None:
+            problems.append(f"prefill attention TP {info.attn_tp_size} != decode {self.attn_tp_size}, and kvxfer "
+                            f"cannot describe this decode's pool ({self.no_geometry}), so it needs equal TP sizes")
+        sizes = (int(info.attn_tp_size or 1), int(self.attn_tp_size))
+        if max(sizes) % min(sizes):
+            problems.append(f"prefill attention TP {sizes[0]} and decode {sizes[1]}: neither is a multiple of "
+                            "the other")
+        if getattr(info, "enable_kv_cache_sharding", False):
+            problems.append("prefill --enable-kv-cache-sharding (sharded MLA KV): kvxfer moves whole latents")
         for name in ("dp_size", "attn_cp_size", "pp_size"):
             value = int(getattr(info, name, 1) or 1)
             if value != 1:
@@ -184,6 +234,39 @@ class KvxferKVManager(CommonKVManager):
             self.unsupported_prefill[bootstrap_addr] = "; ".join(problems)
             log.error("prefill %s: %s", bootstrap_addr, "; ".join(problems))
         return True
+
+    def prefill_ranks(self, bootstrap_addr: str, prefill_dp_rank: int = 0) -> list[str]:
+        """The kvxfer control addresses of a prefill server's attention-TP ranks, from its bootstrap
+        registry (cached): where a refusal goes when the rank mapping never ran (a prefill kvxfer
+        cannot serve). Empty when the registry cannot be read."""
+        cached = self._prefill_ranks.get((bootstrap_addr, prefill_dp_rank))
+        if cached is not None:
+            return cached
+        import requests
+
+        addresses: list[str] = []
+        try:
+            base = f"http://{bootstrap_addr}/route"
+            sizes = requests.get(f"{base}?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+                                 timeout=5).json()
+            for tp in range(int(sizes.get("attn_tp_size") or 1)):
+                info = requests.get(f"{base}?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank=0&target_tp_rank={tp}"
+                                    "&target_pp_rank=0", timeout=5).json()
+                addresses.append(f"tcp://{info['rank_ip']}:{int(info['rank_port'])}")
+        except Exception as exc:  # the refusal then reaches the prefill at its bootstrap timeout only
+            log.warning("prefill %s: cannot read its ranks from the bootstrap registry: %s", bootstrap_addr, exc)
+            return []
+        self._prefill_ranks[(bootstrap_addr, prefill_dp_rank)] = addresses
+        return addresses
+
+    def refuse(self, room: int, addresses: list[str], reason: str, detail: str) -> None:
+        """Tell each prefill rank at ``addresses`` that this decode will not take ``room``, so the
+        request's prefill half fails at once (:meth:`kvxfer.DecodeEngine.refuse`)."""
+        for address in addresses:
+            try:
+                self.engine.refuse(room, address, reason=reason, detail=detail)
+            except KvxferError as exc:
+                log.warning("room %s: could not tell prefill %s that it is refused: %s", room, address, exc)
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
         """PD retraction rebootstrap (the prefill recomputes a retracted request): not supported."""
@@ -201,7 +284,9 @@ class KvxferKVManager(CommonKVManager):
             peer = self.engine.connect(f"tcp://{key[0]}:{key[1]}", timeout=10.0)
         except KvxferError as exc:
             log.warning("prefill rank %s:%s: %s", *key, exc)
+            self.peering_error[key] = exc.detail
             return None
+        self.peering_error.pop(key, None)
         self._peers[key] = peer
         return peer
 
@@ -213,6 +298,8 @@ class KvxferKVManager(CommonKVManager):
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """Common's handling (rooms failed, caches dropped), and the address re-resolved next time."""
         self.unsupported_prefill.pop(failed_bootstrap_addr, None)
+        for key in [k for k in self._prefill_ranks if k[0] == failed_bootstrap_addr]:
+            del self._prefill_ranks[key]
         super()._handle_node_failure(failed_bootstrap_addr)
 
     # deferred decode KV release --------------------------------------------------------------------
@@ -314,6 +401,9 @@ class KvxferKVSender(CommonKVSender):
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if pages.size == 0:
             return  # SGLang's final call with no new pages: DONE went with the chunk that reached the count
+        req = self.engine.status(self.bootstrap_room)
+        if req.state is S.SUCCEEDED and not req.writing:
+            return  # every decode rank takes this rank's heads from another prefill rank (MLA): nothing to send
         last = self.sent_pages + len(pages) >= self.num_kv_indices
         aux = self.kv_mgr.read_aux(self.aux_index) if (last and self.aux_index is not None) else b""
         if self._transfer_start_time is None:
@@ -338,10 +428,13 @@ class KvxferKVSender(CommonKVSender):
         if not self.admitted:
             with self.engine.lock:
                 rejection = sender.peer_rejections.get(room)
-                pending = room in sender.pending_meta
+                pending = sender.pending_meta.get(room, [])
+                # every decode rank this prefill rank serves for the request has sent its destination
+                known = bool(pending) and len(pending) >= fanout(
+                    self.engine.layout.geometry, self.engine._peer_layout(pending[0][0])[1])
             if rejection is not None:
                 self.fail(f"{ADMISSION_REFUSED} rejected: decode rejected it: {rejection[0].detail}")
-            elif pending:
+            elif known:
                 mgr.update_status(room, KVPoll.WaitingForInput)
             return
         req = self.engine.status(room)
@@ -350,8 +443,10 @@ class KvxferKVSender(CommonKVSender):
                 mgr.update_status(room, KVPoll.Success)
             else:
                 self.fail(reason_of(req.error) if req.error is not None else req.state.value)
-        elif req.state in (S.ADMITTED, S.READY):
+        elif req.state is S.READY:
             mgr.update_status(room, KVPoll.WaitingForInput)
+        elif req.state is S.ADMITTED:  # some decode ranks' destinations have not arrived yet
+            mgr.update_status(room, KVPoll.Bootstrapping)
         else:
             mgr.update_status(room, KVPoll.Transferring)
 
@@ -386,53 +481,74 @@ class KvxferKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         super().__init__(mgr, bootstrap_addr, int(bootstrap_room or 0))
         self.engine: DecodeEngine = mgr.engine
-        self.peer: str | None = None
+        self.peers: list[str] | None = None
         self.aux_index: int | None = None
         self.generation: int | None = None
         self.handed_over = False
 
+    @property
+    def peer(self) -> str | None:
+        return self.peers[0] if self.peers else None
+
     def init(self, prefill_dp_rank: int) -> None:
-        """Common's lookup of the prefill rank (registry, connection pool), then its kvxfer peer; a
-        cached rank whose kvxfer engine is gone (a restarted prefill) is looked up again once."""
+        """Common's lookup of the prefill ranks (registry, connection pool), then their kvxfer peers;
+        a cached rank whose kvxfer engine is gone (a restarted prefill) is looked up again once. A
+        prefill this decode will not serve is told so at once."""
         reason = self.kv_mgr.unsupported_prefill.get(self.bootstrap_addr)
         if reason is not None:
-            self.fail(f"prefill at {self.bootstrap_addr} is not supported: {reason}")
+            self._refuse(f"prefill at {self.bootstrap_addr} is not supported: {reason}",
+                         self.kv_mgr.prefill_ranks(self.bootstrap_addr, int(prefill_dp_rank or 0)))
             return
         super().init(prefill_dp_rank)
         if self.conclude_state is not None or self.bootstrap_infos is None:
             return
-        self.peer = self._peer()
-        if self.peer is None:
+        self.peers = self._live_peers()
+        if self.peers is None:
             self.invalidate_cached_bootstrap_infos()
             self._setup_bootstrap_infos()
             if self.conclude_state is None and self.bootstrap_infos is not None:
-                self.peer = self._peer()
-        if self.peer is None and self.conclude_state is None:
-            self.fail(f"cannot reach the prefill's kvxfer engine at {self._target()}")
+                self.peers = self._live_peers()
+        if self.peers is None and self.conclude_state is None:
+            self._refuse(f"cannot reach the prefill's kvxfer engines at {self._addresses()}", self._addresses())
 
-    def _target(self) -> dict[str, Any]:
-        real = [info for info in self.bootstrap_infos or [] if not info.get("is_dummy")]
-        if len(real) != 1:
-            raise KvxferError(f"expected one prefill rank to pull from, the registry gives {len(real)}")
-        return real[0]
+    def _targets(self) -> list[dict[str, Any]]:
+        """The prefill ranks this rank takes KV from, in rank order (SGLang's mapping; the ones SGLang
+        marks dummy included: kvxfer tells them they write nothing)."""
+        targets = list(self.bootstrap_infos or [])
+        if not targets:
+            raise KvxferError("the bootstrap registry names no prefill rank to pull from")
+        return targets
 
-    def _peer(self) -> str | None:
-        return self.kv_mgr.live_peer(self._target())
+    def _addresses(self) -> list[str]:
+        return [f"tcp://{info['rank_ip']}:{int(info['rank_port'])}" for info in self.bootstrap_infos or []]
+
+    def _live_peers(self) -> list[str] | None:
+        peers = [self.kv_mgr.live_peer(info) for info in self._targets()]
+        return None if any(p is None for p in peers) else peers  # type: ignore[return-value]
 
     def _register_kv_args(self) -> bool:
         """Common registers this rank with the prefill ranks it pulls from: for kvxfer that is peering
-        (HELLO, then the data connection)."""
+        (HELLO, then the data connection) with each. A refused peering (the two layouts cannot be
+        paired) fails the request on both halves."""
         if not self.bootstrap_infos:
             return self.bootstrap_infos is not None
-        if self.kv_mgr.connect_rank(self._target()) is None:
-            self.fail(f"cannot peer with the prefill's kvxfer engine at {self._target()}")
-            return False
+        for info in self._targets():
+            if self.kv_mgr.connect_rank(info) is None:
+                why = self.kv_mgr.peering_error.get((str(info["rank_ip"]), int(info["rank_port"])), "no answer")
+                self._refuse(f"cannot peer with the prefill's kvxfer engine at {info['rank_ip']}:{info['rank_port']}: "
+                             f"{why}", self._addresses())
+                return False
         return True
+
+    def _refuse(self, reason: str, addresses: list[str]) -> None:
+        """Fail this rank's half and tell the prefill ranks, so theirs fails at once too."""
+        self.kv_mgr.refuse(self.bootstrap_room, addresses, "refused", reason)
+        self.fail(reason)
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, destination: Any = None, **_: Any) -> None:
         """The destination pages are known: kvxfer admission, reservation, META to the prefill."""
-        if self.conclude_state == KVPoll.Failed or self.peer is None:
+        if self.conclude_state == KVPoll.Failed or not self.peers:
             return
         if state_indices and any(s is not None for s in state_indices):
             self.fail("kvxfer does not transfer state buffers")
@@ -449,7 +565,7 @@ class KvxferKVReceiver(CommonKVReceiver):
         self.kv_mgr.end_custody(bootstrap_room=self.bootstrap_room, pages=pages)
         try:
             req = self.engine.admit(self.bootstrap_room, len(pages) * self.kv_mgr.layout.page_size,
-                                    peer=self.peer, pages=pages)
+                                    peers=self.peers, pages=pages)
         except PeerError as exc:  # the prefill went away since init: look it up again next time
             self.invalidate_cached_bootstrap_infos()
             self.fail(f"{exc.code}: {exc}")

@@ -1,11 +1,12 @@
 """kvxfer: a KV-cache transfer engine for disaggregated LLM serving that cannot leak a tenant's pages.
 
-Public API (see README.md): :class:`KVLayout` describes the KV memory, :class:`PrefillEngine` writes
-it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConfig` configures both.
+Public API (see README.md): :class:`KVLayout` describes the KV memory (and :class:`KVGeometry` what its
+pages hold, for unequal tensor parallelism and page sizes), :class:`PrefillEngine` writes it, :class:`DecodeEngine` receives, verifies and gates reads, :class:`EngineConfig` configures both.
 Errors live in :mod:`kvxfer.errors`. Heavy and GPU-only dependencies are imported lazily.
 """
 
 from ._version import __version__
+from .core.geometry import BufferGeometry, KVGeometry
 from .core.layout import KVLayout
 from .core.ledger import AllocPolicy, PageState
 from .core.lifecycle import ReceiverState, SenderState
@@ -27,11 +28,13 @@ from .errors import (
 __all__ = [
     "AdmissionRejected",
     "AllocPolicy",
+    "BufferGeometry",
     "CapacityError",
     "DecodeEngine",
     "EngineConfig",
     "FreePolicy",
     "InvalidArgument",
+    "KVGeometry",
     "KVLayout",
     "KVRead",
     "KvxferError",

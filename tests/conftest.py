@@ -193,6 +193,12 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
         return Pair(prefill, decode, peer, faults)
 
     yield factory
+    close_checked(made)
+
+
+def close_checked(made: list[Any]) -> None:
+    """Check every engine's pool accounting (faults resumed first), close them all, newest first, and
+    fail naming each engine whose accounting was broken."""
     errors = []
     for engine in made:
         if engine.faults is not None:
@@ -201,7 +207,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
             if not engine._closed:
                 engine.check_accounting()
         except Exception as exc:  # pragma: no cover - reported below
-            errors.append(f"{engine.role}: {exc}")
+            errors.append(f"{engine.role} {engine.engine_id}: {exc}")
     for engine in reversed(made):
         engine.close()
     assert not errors, "pool accounting invariant broken: " + "; ".join(errors)

@@ -51,8 +51,8 @@ class Rank:
     """One scheduler rank's KV pool (SGLang's MHA layout), metadata buffers and kvxfer manager."""
 
     def __init__(self, mode: DisaggregationMode, pages: int, port: int, context: int, model: str,
-                 **extra_args: object) -> None:
-        slots = (pages + 1) * PAGE  # SGLang pads the pool by one page
+                 page: int = PAGE, **extra_args: object) -> None:
+        slots = (pages + 1) * page  # SGLang pads the pool by one page
         self.k = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.v = [torch.zeros((slots, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
         bufs = self.k + self.v
@@ -61,16 +61,16 @@ class Rank:
         args.engine_rank = 0
         args.kv_data_ptrs = [b.data_ptr() for b in bufs]
         args.kv_data_lens = [b.nbytes for b in bufs]
-        args.kv_item_lens = [b[0].nbytes * PAGE for b in bufs]
+        args.kv_item_lens = [b[0].nbytes * page for b in bufs]
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         args.state_data_ptrs = []
-        args.page_size = PAGE
+        args.page_size = page
         args.kv_cache_dtype_str = "bfloat16"
         args.ib_device = None
         args.state_item_lens, args.state_types, args.kv_layout, args.system_dp_rank, args.pp_rank = [], [], None, 0, 0
         server_args = ServerArgs(model_path=model, device="cpu", disaggregation_mode=mode.value,
                                  disaggregation_transfer_backend="kvxfer", disaggregation_bootstrap_port=port,
-                                 host="127.0.0.1", context_length=context, **extra_args)
+                                 host="127.0.0.1", context_length=context, page_size=page, **extra_args)
         publish_rank(server_args)  # what SGLang's scheduler process does before it builds the manager
         self.mgr = get_kv_class(BACKEND, KVClassType.MANAGER)(args, mode, server_args, False)
         self.bootstrap_addr = f"127.0.0.1:{port}"
@@ -422,6 +422,36 @@ def test_an_early_send_waits_for_the_forward_pass_event(pd):
     assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     for got, want in zip(decode.page_bytes(dst), prefill.page_bytes(src)):
         assert np.array_equal(got, want)
+
+
+def test_a_decode_with_another_page_size_fails_both_halves_at_once(tiny_model):
+    """SGLang's own check refuses to pair pages of different sizes (it raises in the decode's lookup of
+    the prefill): the request is answered at once on both halves, not left waiting for a DP rank or a
+    bootstrap timeout."""
+    port = free_ports(1)[0]
+    server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    prefill = Rank(DisaggregationMode.PREFILL, 8, port, context=8 * PAGE, model=tiny_model)
+    decode = Rank(DisaggregationMode.DECODE, 16, port, context=8 * PAGE, model=tiny_model, page=PAGE // 2)
+    try:
+        sender = get_kv_class(BACKEND, KVClassType.SENDER)(mgr=prefill.mgr, bootstrap_addr=prefill.bootstrap_addr,
+                                                            bootstrap_room=98)
+        receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
+                                                                bootstrap_room=98)
+        t0 = time.monotonic()
+        assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)
+        assert decode.mgr.prefill_info_table[decode.bootstrap_addr].dp_size == 1  # the scheduler resolves DP rank 0
+        receiver.init(prefill_dp_rank=0)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(KVTransferError, match="Page size mismatch"):
+            receiver.failure_exception()
+        assert _poll_until(sender, {KVPoll.Failed}, timeout=5) == KVPoll.Failed
+        assert time.monotonic() - t0 < 2.0, time.monotonic() - t0
+        with pytest.raises(KVTransferError, match="page_size=4, but decode server has page_size=2"):
+            sender.failure_exception()
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
 
 
 def test_a_prefill_the_decode_cannot_serve_fails_both_halves_at_once(tiny_model):

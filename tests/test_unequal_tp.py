@@ -23,7 +23,7 @@ from kvxfer.errors import NotReadable, PeerError
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 
-from .conftest import needs, wait_for
+from .conftest import close_checked, needs, wait_for
 from .tp_env import build
 
 R, S = ReceiverState, SenderState
@@ -31,21 +31,10 @@ pytestmark = pytest.mark.usefixtures("transport")
 
 
 @pytest.fixture
-def made(request):
+def made():
     engines: list = []
     yield engines
-    errors = []
-    for engine in engines:
-        if engine.faults is not None:
-            engine.faults.resume()
-        try:
-            if not engine._closed:
-                engine.check_accounting()
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(f"{engine.engine_id}: {exc}")
-    for engine in reversed(engines):
-        engine.close()
-    assert not errors, "pool accounting invariant broken: " + "; ".join(errors)
+    close_checked(engines)
 
 
 @pytest.fixture

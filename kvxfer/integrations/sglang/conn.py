@@ -121,6 +121,21 @@ def _rank_geometry(args: KVArgs, server_args: Any, mode: DisaggregationMode, is_
                          extra_buffers=int(getattr(args, "num_draft_entries", 0) or 0))
 
 
+def _fetch_prefill_info(bootstrap_addr: str) -> Any:
+    """The prefill server's parallel layout from its bootstrap registry (as Common fetches it), or None."""
+    import requests
+    from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+    url = (f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
+           "&target_pp_rank=-1")
+    try:
+        response = requests.get(url, timeout=5)
+        return PrefillServerInfo(**response.json()) if response.status_code == 200 else None
+    except Exception as exc:
+        log.warning("prefill %s: cannot read its parallel layout: %s", bootstrap_addr, exc)
+        return None
+
+
 def unsupported_settings(args: KVArgs, server_args: Any, mode: DisaggregationMode) -> list[str]:
     """What this rank's SGLang configuration asks of kvxfer that it does not do (empty: nothing)."""
     problems = []
@@ -211,7 +226,13 @@ class KvxferKVManager(CommonKVManager):
         try:
             if not super().try_ensure_parallel_info(bootstrap_addr):
                 return False
-        except RuntimeError as exc:  # Common's mismatch checks (page size, dtype, layout)
+        except (RuntimeError, AssertionError) as exc:  # Common's mismatch checks (page size, dtype, layout)
+            # The scheduler resolves a request's prefill DP rank from the info table before it calls
+            # init: without an entry the request would wait, unanswered, until the client gives up.
+            info = _fetch_prefill_info(bootstrap_addr)
+            if info is None:
+                return False
+            self.prefill_info_table[bootstrap_addr] = info
             self.unsupported_prefill[bootstrap_addr] = str(exc)
             log.error("prefill %s: %s", bootstrap_addr, exc)
             return True
@@ -245,11 +266,10 @@ class KvxferKVManager(CommonKVManager):
         import requests
 
         addresses: list[str] = []
+        info = self.prefill_info_table.get(bootstrap_addr) or _fetch_prefill_info(bootstrap_addr)
         try:
             base = f"http://{bootstrap_addr}/route"
-            sizes = requests.get(f"{base}?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-                                 timeout=5).json()
-            for tp in range(int(sizes.get("attn_tp_size") or 1)):
+            for tp in range(int(getattr(info, "attn_tp_size", 1) or 1)):
                 info = requests.get(f"{base}?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank=0&target_tp_rank={tp}"
                                     "&target_pp_rank=0", timeout=5).json()
                 addresses.append(f"tcp://{info['rank_ip']}:{int(info['rank_port'])}")

@@ -157,6 +157,22 @@ def test_c_bad_params_fail_before_any_page_is_reserved(pair):
     assert p.d_worker.engine.stats()["requests"].get("admitted", 0) == 0
 
 
+def test_c2_a_layout_the_decode_will_not_take_fails_the_prefills_half_at_once(pair):
+    """Issue 24: the decode refuses the KV's layout (another TP size) before reserving anything, and tells
+    the prefill: its request ends (vLLM gets its blocks back) within a second, not at meta_timeout."""
+    p = pair(meta_timeout=30.0)
+    params = p.prefill("req-l", PROMPT, [11, 12, 13])
+    other = {**params, "kvxfer": {**params["kvxfer"], "block_size": BLOCK * 2}}
+    t0 = time.monotonic()
+    p.decode("dec-l", PROMPT, other, [54, 55, 56])
+    p.until(lambda: "req-l" in p.sent and "dec-l" in p.received, timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert p.d_sched.reasons.lookup("dec-l").reason == "unsupported_layout"
+    req = p.p_worker.engine.status("req-l")
+    assert req.state.value == "FAILED" and "block size" in str(req.error)
+    assert p.d_worker.stats["refused_layout"] == 1
+
+
 def test_d_an_abort_mid_load_is_reported_only_once_kvxfer_holds_nothing_for_it(pair):
     p = pair()
     for rid, admitted_first in (("dec-d1", True), ("dec-d2", False)):

@@ -9,7 +9,8 @@ kvxfer address, collected once at startup). This module imports vLLM; the halves
 Refused at startup, naming the setting: ``kv_both`` (run one ``kv_producer`` and one ``kv_consumer``),
 pipeline, data or context parallelism above 1, hybrid (multi-group) KV caches, and prefix caching on the
 decode (kvxfer loads whole prompts; run the decode with ``--no-enable-prefix-caching``). Refused at the
-first request, with HTTP 500 naming both sizes: unequal tensor parallelism or block sizes.
+first request, with HTTP 500 naming both sizes: unequal tensor parallelism or block sizes (the decode
+tells the prefill at once, so the prefill's blocks come back then, not at meta_timeout).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class KvxferConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
             config = engine_config(vllm_config.model_config.max_model_len, self.extra, rank)
             self.num_blocks = int(kv_cache_config.num_blocks)
-            self.worker = WorkerSide(producer=self.producer, config=config, tp_rank=rank)
+            self.worker = WorkerSide(producer=self.producer, config=config, tp_rank=rank, tp_size=self.tp_size)
 
     # worker side ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

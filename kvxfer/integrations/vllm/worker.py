@@ -83,8 +83,9 @@ class _Load:
 class WorkerSide:
     """kvxfer's connector state in one vLLM worker."""
 
-    def __init__(self, *, producer: bool, config: EngineConfig, tp_rank: int, peer_timeout: float = 10.0) -> None:
-        self.producer, self.config, self.tp_rank = producer, config, int(tp_rank)
+    def __init__(self, *, producer: bool, config: EngineConfig, tp_rank: int, peer_timeout: float = 10.0,
+                 tp_size: int = 1) -> None:
+        self.producer, self.config, self.tp_rank, self.tp_size = producer, config, int(tp_rank), int(tp_size)
         self.peer_timeout = peer_timeout
         self.engine: Any = None
         self.lock = threading.Lock()
@@ -123,10 +124,31 @@ class WorkerSide:
                 self.loads[load.request_id] = entry
             if load.failure is not None:
                 entry.failure, entry.done = load.failure, True
+                if load.failure.reason == "unsupported_layout":
+                    self._refuse(load)
             else:
                 self._jobs.put(entry)
         for rid in jobs.aborts:
             self._abort_load(rid)
+
+    def _refuse(self, load: LoadJob) -> None:
+        """This decode will never take the request's KV (its layout): tell the prefill ranks, so their
+        half fails now and vLLM frees its blocks there, instead of at meta_timeout. Rank r tells prefill
+        rank r; rank 0 also those no decode rank matches."""
+        params = load.params
+        if params is None or self.engine is None:
+            return
+        addresses = list(params.addresses)
+        mine = [addresses[self.tp_rank]] if self.tp_rank < len(addresses) else []
+        if self.tp_rank == 0:
+            mine += addresses[self.tp_size:]
+        for address in mine:
+            try:
+                self.engine.refuse(params.request_id, address, reason="unsupported_layout", detail=load.failure.text)
+                self.stats["refused_layout"] += 1
+            except KvxferError as exc:
+                log.warning("kvxfer: could not tell prefill %s that request %s is refused: %s", address,
+                            params.request_id, exc)
 
     def _start_send(self, job: SendJob) -> None:
         try:

@@ -23,7 +23,7 @@ from kvxfer.errors import NotReadable, PeerError
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 
-from .conftest import close_checked, needs, wait_for
+from .conftest import close_checked, wait_for
 from .tp_env import build
 
 R, S = ReceiverState, SenderState
@@ -144,6 +144,7 @@ def test_a_writer_that_never_drains_is_fenced_and_only_then_are_the_pages_free(c
 
 def test_one_writer_dying_fails_the_request_and_the_other_writer_is_stopped(cluster, made):
     c = cluster(tp_prefill=2, tp_decode=1)
+    c.needs("sees_disconnect")  # verbs: a dead writer is found by its silence (test_verbs.py)
     c.admit("d", 12 * 16)
     c.fill("d", seed=9)
     c.faults[0].pause()
@@ -177,7 +178,7 @@ def test_a_decode_rank_aborting_stops_the_writer_for_every_rank(cluster):
 
 def test_a_late_write_from_either_writer_lands_nowhere(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
-    needs(type("P", (), {"decode": c.decodes[0]})(), "raw_frames")
+    c.needs("raw_frames")
     c.faults[1].capture_next_write()
     c.transfer("victim", 4 * 16, seed=11)
     c.expect_readable("victim")
@@ -205,7 +206,7 @@ def _slice_write(c, writer: int, req, leg, offset: int, length: int, fill: int =
 
 def test_a_writer_cannot_write_the_other_writers_heads(cluster):
     c = cluster(tp_prefill=2, tp_decode=1, order="HND")
-    needs(type("P", (), {"decode": c.decodes[0]})(), "raw_frames")
+    c.needs("raw_frames")
     c.admit("s", 2 * 16)
     for prefill in c.prefills:
         prefill.wait_ready("s")
@@ -240,7 +241,7 @@ def test_a_corrupted_slice_fails_verification_naming_its_writer(cluster):
 
 def test_a_done_claiming_a_slice_it_did_not_write_never_becomes_readable(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
-    needs(type("P", (), {"decode": c.decodes[0]})(), "raw_frames")
+    c.needs("raw_frames")
     c.admit("claim", 4 * 16)
     c.fill("claim", seed=15)
     c.prefills[0].send("claim")
@@ -259,7 +260,7 @@ def test_a_done_claiming_a_slice_it_did_not_write_never_becomes_readable(cluster
 
 def test_generations_are_per_writer_and_a_replayed_done_of_one_cannot_complete_the_next(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
-    needs(type("P", (), {"decode": c.decodes[0]})(), "raw_frames")
+    c.needs("raw_frames")
     c.transfer("room", 3 * 16, seed=16)
     c.expect_readable("room")
     first = c.decodes[0].status("room")
@@ -324,3 +325,25 @@ def test_pairs_kvxfer_cannot_translate_are_refused_at_peering_naming_both_layout
         assert "theirs: " in text and theirs in text.split("theirs:")[1].split("; local:")[0], text
         assert local in text.split("; local:")[1], text
         assert prefill.counters["refused_hellos"] == 1
+
+
+def test_a_leg_whose_writes_were_cancelled_gets_an_abort_not_a_done_claiming_them():
+    """A request failed on another leg while this leg's DONE waited behind writes that were then
+    dropped (fanout: one prefill rank, two decode ranks): what the transport builds in DONE's place is a
+    writer ABORT (the decode rank ends "prefill aborted it" at once), never a DONE claiming writes that
+    were not sent (which the decode would refuse as a coverage failure, naming the wrong cause)."""
+    from kvxfer.core.checksum import ChecksumAlgo
+    from kvxfer.core.runs import build_batch
+    from kvxfer.engine.sender import DoneBuilder
+
+    from .conftest import make_layout
+
+    layout = make_layout(8)
+    built: list[bool] = []
+    batch = build_batch(layout, np.arange(4), np.arange(4, 8), slot=1, gen=7)
+    done = DoneBuilder(layout=layout, algo=ChecksumAlgo.ADLER32, rid="q", gen=7, aux=b"", src=np.arange(4),
+                       batches=[batch], write_log=False, on_built=lambda: built.append(True))
+    assert isinstance(done(), m.Done) and built == [True]
+    batch.cancelled = True
+    msg = done()
+    assert isinstance(msg, m.Abort) and msg.gen == 7 and "another of its legs" in msg.detail and built == [True, True]

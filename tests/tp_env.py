@@ -9,6 +9,7 @@ holds tokens ``i*P .. i*P+P-1`` of the heads it holds, in its order (:func:`page
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from kvxfer.core.geometry import KVGeometry, writers_of
 from kvxfer.transport.faults import FaultInjector
 from kvxfer.wire.auth import Keyring
 
-from .conftest import wait_for
+from .conftest import needs, wait_for
 
 R, S = ReceiverState, SenderState
 
@@ -125,6 +126,10 @@ class Cluster:
     def release(self, rid: Any) -> None:
         for decode in self.decodes:
             decode.release(rid)
+
+    def needs(self, capability: str) -> None:
+        """Skip unless the transport declares ``capability`` (as :func:`tests.conftest.needs`)."""
+        needs(SimpleNamespace(decode=self.decodes[0]), capability)
 
     def wait_connected(self, timeout: float = 10.0) -> None:
         """Every decode rank holds a live data connection to each of its writers (after a fence, the

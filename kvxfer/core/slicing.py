@@ -197,16 +197,20 @@ def chunk_runs(atoms: LegAtoms, first_page: int, src_ids: np.ndarray, dst_ids: n
 
 
 def canonical_pieces(atoms: LegAtoms, page_ids: np.ndarray, *, source: bool, bases: np.ndarray,
-                     items: np.ndarray, head_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                     items: np.ndarray, head_bytes: np.ndarray,
+                     src_pages: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Addresses and lengths of the leg's bytes on one side, in canonical order (adjacent pieces
-    merged): what that side's checksum of the leg reads. ``page_ids``: the side's pages of the request."""
+    merged): what that side's checksum of the leg reads. ``page_ids``: the side's pages of the request;
+    ``src_pages``: only the atoms of the first that many source pages (a writer that sent fewer, the
+    legacy placeholder)."""
     page_ids = np.asarray(page_ids, dtype=np.int64)
-    index = atoms.src_page_index if source else atoms.dst_page_index
-    rel = atoms.src_rel if source else atoms.dst_rel
+    part = atoms.chunk(0, atoms.shape.src_pages if src_pages is None else src_pages)
+    index = (atoms.src_page_index if source else atoms.dst_page_index)[part]
+    rel = (atoms.src_rel if source else atoms.dst_rel)[part]
     hb = np.asarray(head_bytes, dtype=np.int64)[:, None]
     addr = (np.asarray(bases, dtype=np.int64)[:, None] + page_ids[index][None, :] * np.asarray(items, np.int64)[:, None]
             + rel[None, :] * hb).reshape(-1)
-    lengths = np.repeat((atoms.unit_heads * hb).reshape(-1), atoms.count)
+    lengths = np.repeat((atoms.unit_heads * hb).reshape(-1), index.size)
     if addr.size == 0:
         return addr, lengths
     joins = addr[:-1] + lengths[:-1] == addr[1:]

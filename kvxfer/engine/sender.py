@@ -111,22 +111,34 @@ class DoneBuilder:
             geometry = self.layout.geometry
             addresses, lengths = canonical_pieces(
                 self.atoms, self.src, source=True, bases=np.array([b.address for b in self.layout.buffers]),
-                items=self.layout.item_lens, head_bytes=np.array([b.head_bytes for b in geometry.buffers]))
+                items=self.layout.item_lens, head_bytes=np.array([b.head_bytes for b in geometry.buffers]),
+                src_pages=self.src.size)
             return checksum_addresses(self.layout.device, addresses, lengths, self.algo)
         return checksum_pages(self.layout, self.src, self.algo)
 
-    def __call__(self) -> m.Done:
-        log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
-        if self.atoms is None:
-            nbytes, pages = self.layout.bytes_for_pages(self.src.size), int(self.src.size)
-        else:
-            head_bytes = sum(b.head_bytes for b in self.layout.geometry.buffers)
-            nbytes, pages = self.atoms.count * self.atoms.unit_heads * head_bytes, self.dst_pages
-        done = m.Done(rid=self.rid, gen=self.gen, bytes=nbytes, pages=pages, checksum=self.checksum(),
-                      algo=self.algo.value, aux=self.aux, runs=log_bytes)
-        if self.on_built is not None:
-            self.on_built()
-        return done
+    def __call__(self) -> m.Message:
+        """DONE, or a writer ABORT when some of the leg's writes were cancelled before they left (the
+        request failed meanwhile): DONE must never claim writes that were not sent. Built on the
+        transport's thread, behind every write of the leg."""
+        try:
+            if any(batch.cancelled for batch in self.batches):
+                return m.Abort(rid=self.rid, gen=self.gen, reason="aborted",
+                               detail="the request failed on another of its legs; its writes stopped")
+            log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
+            if self.atoms is None:
+                nbytes, pages = self.layout.bytes_for_pages(self.src.size), int(self.src.size)
+            else:
+                head_bytes = sum(b.head_bytes for b in self.layout.geometry.buffers)
+                sent = self.atoms.chunk(0, self.src.size)
+                nbytes, pages = (sent.stop - sent.start) * self.atoms.unit_heads * head_bytes, self.dst_pages
+            return m.Done(rid=self.rid, gen=self.gen, bytes=nbytes, pages=pages, checksum=self.checksum(),
+                          algo=self.algo.value, aux=self.aux, runs=log_bytes)
+        except Exception as exc:  # never end the transport's thread: the receiver gets a reason instead
+            log.exception("request %r generation %d: building DONE failed", self.rid, self.gen)
+            return m.Abort(rid=self.rid, gen=self.gen, reason="internal", detail=f"building DONE failed: {exc}")
+        finally:
+            if self.on_built is not None:
+                self.on_built()
 
 
 class SenderLink(Protocol):

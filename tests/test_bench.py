@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -94,3 +95,31 @@ def test_a_peer_is_stopped_between_its_rounds_and_leaves_nothing():
     finally:
         session.close()
     assert all(proc.poll() is not None for proc in session.procs)
+
+
+def test_bench_unequal_tp_case_moves_the_same_bytes_and_reports_its_ratio(tmp_path):
+    """``--tp 2:1``: two prefill rank processes write half the heads of every decode page each, next to
+    the equal-TP case of the same page size; the JSON and the table carry unequal / equal."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--total", "8M", "--request-bytes", "2M",
+                           "--page-bytes", "64K", "--repeat", "2", "--checks", "on", "--baselines", "none",
+                           "--tp", "2:1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})  # table rows on one line each
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    cases = {c["transport"]: c for c in report["cases"]}
+    equal, unequal = cases["kvxfer-tcp"], cases["kvxfer-tcp-tp2:1"]
+    assert not equal["error"] and not unequal["error"], (equal, unequal)
+    assert unequal["bytes"] == equal["bytes"] == 8 << 20 and unequal["page_bytes"] == equal["page_bytes"] == 65536
+    assert (unequal["tp"], unequal["kv_heads"], unequal["head_bytes"], unequal["tokens_per_page"]) == ("2:1", 8, 256, 32)
+    assert unequal["gbps"] > 0 and unequal["latency_requests"] >= 4
+    [ratio] = [r for r in report["ratios"] if r.get("unequal_tp")]
+    assert (ratio["case"], ratio["against"], ratio["checks"], ratio["rounds"]) == ("kvxfer-tcp-tp2:1", "kvxfer-tcp", "on", 2)
+    assert ratio["gbps_ratio"] > 0
+    assert not any(r["against"] == "kvxfer-tcp-tp2:1" for r in report["ratios"])
+    text = " ".join(proc.stdout.split())
+    assert f"kvxfer-tcp-tp2:1 / kvxfer-tcp (checks on) at 65,536 B: {ratio['gbps_ratio']:.2f}x" in text
+    assert f"TP 2:1 / equal TP: {ratio['gbps_ratio']:.2f}x" in proc.stdout  # the case's row in the table
+    bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--tp", "1:2"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "prefill TP 2, 4 or 8 into decode TP 1" in bad.stderr

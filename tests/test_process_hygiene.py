@@ -222,12 +222,17 @@ def test_sigkilled_demo_leaves_no_process_port_or_temp_dir(start):
     assert_left_nothing(run, sockets, ports=(port, port + 1))
 
 
-def test_sigkilled_stress_leaves_nothing_including_a_restarted_writer(start):
+@pytest.mark.parametrize("topology", [(), ("--prefill-tp", "2", "--decode-tp", "1", "--head-bytes", "32")],
+                         ids=["pair", "prefill-tp2-decode-tp1"])
+def test_sigkilled_stress_leaves_nothing_including_a_restarted_writer(start, topology):
+    """One writer killed and replaced (with TP 2 on the prefill: one of its two rank processes)."""
+    ranks = 3 if topology else 2
     run = start("stress", "--requests", "20000", "--concurrency", "4", "--prefill-pages", "512",
-                "--decode-pages", "2048", "--median-tokens", "300", "--fault", "kill_sender=0.2", "--no-progress")
-    # the writer was SIGKILLed and restarted at least once: three node processes seen so far
-    run.wait_until("a restarted writer", lambda: run.nodes_seen() >= 3)
-    run.wait_until("two live nodes", lambda: len(run.children("kvxfer.tools.node")) == 2)
+                "--decode-pages", "2048", "--median-tokens", "300", "--fault", "kill_sender=0.2", "--no-progress",
+                *topology)
+    # a writer was SIGKILLed and restarted at least once: one node process more than the ranks so far
+    run.wait_until("a restarted writer", lambda: run.nodes_seen() >= ranks + 1)
+    run.wait_until(f"{ranks} live nodes", lambda: len(run.children("kvxfer.tools.node")) == ranks)
     assert list(run.tmp.glob("kvxfer-*")), "stress keeps no temp dir: the check is void"
     sockets = listening_of(list(run.processes()))
     run.proc.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -108,3 +109,103 @@ def test_workload_rates_and_validation():
         StressConfig(requests=1, faults={"meteor": 0.1})
     with pytest.raises(ConfigError, match="stop by itself"):
         StressConfig(requests=None, duration=None)
+
+
+# topologies: prefill and decode servers of several tensor-parallel ranks, one process per rank ------------
+
+TOPOLOGIES = [("tcp", 2, 1), ("tcp", 1, 2), ("shm", 2, 1)]
+
+
+@pytest.mark.parametrize(("transport", "tp_prefill", "tp_decode"), TOPOLOGIES,
+                         ids=[f"{t}-p{p}d{d}" for t, p, d in TOPOLOGIES])
+def test_stress_with_unequal_tp_and_every_fault_leaks_nothing_in_any_pool(tmp_path, transport, tp_prefill, tp_decode):
+    """Each rank its own process, every decode page assembled from head slices and checked cell by
+    cell; kill_sender kills one prefill rank, an abort mid-transfer starts on one decode rank."""
+    proc, report, _ = _run(tmp_path, "--all-faults", "0.05", "--seed", "3", "--transport", transport,
+                           "--prefill-tp", str(tp_prefill), "--decode-tp", str(tp_decode), "--head-bytes", "32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    topology = report["topology"]
+    assert (topology["prefill_tp"], topology["decode_tp"], topology["kv_heads"]) == (tp_prefill, tp_decode, 4)
+    assert report["leaked_pages"] == 0 and report["corrupted_pages"] == 0 and report["lost_pages"] == 0
+    assert report["rejected_succeeded"] == 0 and report["quarantined_at_end"] == 0 and report["settled"]
+    pools = {pool["pool"]: pool for pool in report["pools"]}
+    assert set(pools) == {f"prefill rank {p}" for p in range(tp_prefill)} | {f"decode rank {d}" for d in range(tp_decode)}
+    assert all(pool["free"] == pool["total"] and pool["quarantined"] == 0 for pool in pools.values()), pools
+    assert report["pool_total"] == 2048 * tp_decode and report["prefill_pool_total"] == 512 * tp_prefill
+    assert report["requests"] == 160 and report["completed"] > 0 and report["pages_checked"] > 0
+    assert report["rejected"] == report["faults"]["oversized"] > 0
+    fired = {name for name, count in report["faults"].items() if count}
+    assert len(fired) >= 8 and {"kill_sender", "flip_byte", "oversized"} <= fired, report["faults"]
+    assert report["failed_unexpectedly"] == 0, report["unexpected_failure_reasons"]
+    assert report["aborted_unexpectedly"] == 0 and report["rejected_unexpectedly"] == 0
+    assert report["sender_kills"] > 0 and report["accounting_checks_during_run"] >= 2
+    assert report["decode_ranks_timed_out"] == 0  # every end reached every rank (none waited out its timeout)
+    text = " ".join(proc.stdout.split())
+    assert f"prefill TP {tp_prefill} -> decode TP {tp_decode}, 4 KV heads x 32 B" in text
+    assert "PASS: no leaked, corrupted or lost pages" in text
+
+
+@pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(2, 1), (1, 2)], ids=["p2d1", "p1d2"])
+def test_unsafe_legacy_negative_control_with_unequal_tp_reports_leaks(tmp_path, tp_prefill, tp_decode):
+    """The legacy placeholder writer with head slices: decode ranks read pages nobody wrote this time,
+    and the cell oracle finds other requests' bytes in them."""
+    proc, report, _ = _run(tmp_path, "--unsafe-legacy", "--fault", "oversized=0.25", "--seed", "3", "--requests", "60",
+                           "--prefill-tp", str(tp_prefill), "--decode-tp", str(tp_decode), "--head-bytes", "32")
+    assert proc.returncode != 0
+    assert report["leaked_pages"] > 0 and report["rejected_succeeded"] > 0 and report["ok"] is False
+    assert report["checksum"] == "adler32" and report["topology"]["decode_tp"] == tp_decode
+    assert f"FAIL: {report['leaked_pages']:,} leaked pages" in " ".join(proc.stdout.split())
+
+
+def test_topology_options_are_checked_and_documented():
+    from kvxfer.tools.cli import build_parser
+
+    for bad, match in (({"prefill_tp": 3}, "prefill tp must be 1, 2 or 4"),
+                       ({"prefill_tp": 4, "kv_heads": 6}, "6 KV heads cannot be split over 4"),
+                       ({"decode_tp": 2, "head_bytes": 24}, "head bytes must be a multiple of 8, at least 32"),
+                       ({"prefill_page_size": 16, "decode_page_size": 24}, "one must be a multiple of the other")):
+        with pytest.raises(ConfigError, match=match):
+            StressConfig(requests=1, **bad)
+    config = StressConfig(requests=1, prefill_tp=2, decode_page_size=32)
+    assert config.topology and config.sliced and config.max_context == 8192 * 32
+    assert not StressConfig(requests=1).topology
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    stress = sub.choices["stress"]
+    options = {action.option_strings[0]: action for action in stress._actions if action.option_strings}
+    formatter = stress._get_formatter()
+    for option, default in (("--prefill-tp", "1"), ("--decode-tp", "1"), ("--kv-heads", "4"), ("--head-bytes", "64"),
+                            ("--prefill-page-size", "--page-size"), ("--decode-page-size", "--page-size")):
+        assert f"(default: {default})" in formatter._expand_help(options[option]), option
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["stress", "--decode-tp", "3"])
+
+
+def test_head_oracle_tells_leaks_from_corruption_cell_by_cell():
+    """Decode rank 1 of 2 (heads 2..3 of 4), in both in-page orders: its own cells check clean (the
+    last page's padding is not read), a cell naming another request is a leak, a flipped bit or a
+    cell of the right request at the wrong head is corruption."""
+    import numpy as np
+
+    from kvxfer import KVLayout
+    from kvxfer.core.geometry import KVGeometry
+    from kvxfer.tools import head_oracle
+
+    for order in ("NHD", "HND"):
+        geometry = KVGeometry.attention(layers=2, total_heads=4, head_dim=24, itemsize=2, dtype="bfloat16",
+                                        tp_rank=1, tp_size=2, order=order)
+        layout = KVLayout.allocate(num_pages=8, page_size=4, geometry=geometry)
+        pages = np.array([5, 1, 6])
+        head_oracle.fill(layout, pages, rid="a", tokens=10, seed=1)
+        assert head_oracle.check(layout, pages, rid="a", tokens=10, seed=1).clean
+        head_oracle.fill(layout, np.array([2]), rid="b", tokens=4, seed=1)
+        views = [view[pages].copy() for view in layout.views()]
+        views[3][2][-1] ^= 0xFF  # page 6 (tokens 8..11): padding past token 9, never read
+        assert head_oracle.check(layout, pages, rid="a", tokens=10, seed=1, views=views).clean
+        views[1][1] = layout.views()[1][2]  # page 1 holds request b's cells
+        views[2][0][100] ^= 4  # a flipped bit in page 5
+        cell = 48
+        a_page = layout.views()[0][5]
+        views[0][2][:2 * cell] = np.concatenate([a_page[cell:2 * cell], a_page[:cell]])  # a's cells, misplaced
+        report = head_oracle.check(layout, pages, rid="a", tokens=10, seed=1, views=views)
+        assert report.leaked == [1] and report.corrupted == [5, 6] and report.ok == 0
+        assert report.leaked_from == {(head_oracle.rid_key("b"), 0)}

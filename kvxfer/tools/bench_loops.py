@@ -30,7 +30,10 @@ def _admit(fn: Any, *args: Any, **kwargs: Any) -> Any:
             time.sleep(0.0005)
 
 
-def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:
+def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]], concurrency: int,
+                 peers: list[str] | None = None) -> dict[str, Any]:
+    """``peers``: every writer of a request whose heads several prefill ranks hold (instead of ``peer``)."""
+    writers = {"peers": list(peers)} if peers else {"peer": peer}
     pending: collections.deque[str] = collections.deque()
     failed = 0
     nbytes = 0
@@ -52,7 +55,7 @@ def receive_loop(engine: Any, peer: str, requests: list[tuple[str, int]], concur
     for rid, tokens in requests:
         while len(pending) >= concurrency:
             finish_one()
-        _admit(engine.admit, rid, tokens, peer=peer)
+        _admit(engine.admit, rid, tokens, **writers)
         if start is None:
             start = time.perf_counter()
         pending.append(rid)

@@ -52,13 +52,26 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _stress(args: argparse.Namespace) -> int:
-    from .stress import ALL_FAULTS, StressConfig, run_stress
+    from ..errors import ConfigError
+    from .stress import ALL_FAULTS, run_stress
 
     faults = {name: args.all_faults for name in ALL_FAULTS} if args.all_faults else {}
     for item in args.fault or []:
         name, _, rate = item.partition("=")
         faults[name.replace("-", "_")] = float(rate)
-    config = StressConfig(
+    try:
+        config = _stress_config(args, faults)
+    except ConfigError as exc:
+        print(f"kvxfer stress: {exc}", file=sys.stderr)
+        return 2
+    return run_stress(config, json_path=args.json, report_path=args.report,
+                      progress=False if args.no_progress else None)
+
+
+def _stress_config(args: argparse.Namespace, faults: dict[str, float]) -> Any:
+    from .stress import StressConfig
+
+    return StressConfig(
         **args.engine,
         requests=args.requests if args.requests is not None or args.duration is not None else 200,
         duration=args.duration, concurrency=args.concurrency,
@@ -66,9 +79,9 @@ def _stress(args: argparse.Namespace) -> int:
         item_len=args.item_len, prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         context=args.context, alloc_policy=args.alloc_policy, free_policy=args.free_policy, seed=args.seed,
         max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, kv_heads=args.kv_heads, head_bytes=args.head_bytes,
+        prefill_page_size=args.prefill_page_size, decode_page_size=args.decode_page_size,
     )
-    return run_stress(config, json_path=args.json, report_path=args.report,
-                      progress=False if args.no_progress else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the prompt length")
     stress.add_argument("--page-size", type=int, default=16, help="tokens per page")
     stress.add_argument("--layers", type=int, default=2, help="layers (two buffers each: K and V)")
-    stress.add_argument("--item-len", type=int, default=1024, help="bytes per page per buffer")
+    stress.add_argument("--item-len", type=int, default=1024,
+                        help="bytes per page per buffer (one rank each side; with a topology: page size x the "
+                        "rank's heads x --head-bytes)")
+    topology = stress.add_argument_group(
+        "topology", "prefill and decode servers of several tensor-parallel ranks, each rank its own process, "
+        "pages checked head by head; one rank each side with equal page sizes is the plain pair")
+    topology.add_argument("--prefill-tp", type=int, default=1, choices=[1, 2, 4],
+                          help="prefill ranks: the prefill server's tensor parallelism")
+    topology.add_argument("--decode-tp", type=int, default=1, choices=[1, 2, 4],
+                          help="decode ranks: the decode server's tensor parallelism")
+    topology.add_argument("--kv-heads", type=int, default=4,
+                          help="KV heads in all, split between the ranks of each side (a multiple of each TP, "
+                          "or a divisor: then heads are replicated)")
+    topology.add_argument("--head-bytes", type=int, default=64,
+                          help="bytes per head per token (a multiple of 8, at least 32: each cell carries "
+                          "the oracle's header)")
+    topology.add_argument("--prefill-page-size", type=int, default=None, metavar="TOKENS",
+                          help="tokens per prefill page (default: --page-size)")
+    topology.add_argument("--decode-page-size", type=int, default=None, metavar="TOKENS",
+                          help="tokens per decode page, a multiple or divisor of the prefill's (default: --page-size)")
     stress.add_argument("--prefill-pages", type=int, default=2048, help="pages in the prefill (writer) pool")
     stress.add_argument("--decode-pages", type=int, default=8192, help="pages in the decode (reader) pool")
     stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")
@@ -139,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport)")
     bench.add_argument("--compare-windows", action="store_true",
                        help="verbs: run kvxfer with memory windows on and off (each against ib_write_bw)")
+    bench.add_argument("--tp", metavar="P:1", default=None,
+                       help="also move the same bytes with prefill TP P (2, 4 or 8) into decode TP 1: P prefill "
+                       "processes each writing its heads' slice of every decode page (NHD, 8 KV heads), reported "
+                       "against the equal-TP case as a ratio (default: not run)")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 
@@ -225,7 +261,19 @@ def _bench(args: argparse.Namespace) -> int:
         checks=args.checks,
         baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
         compare_windows=args.compare_windows,
+        tp=args.tp,
     )
+    if config.tp:
+        from ..errors import ConfigError
+        from .bench.tp import parse_tp, tp_shape
+
+        try:
+            parse_tp(config.tp)
+            for page in config.page_sizes:
+                tp_shape(page)
+        except ConfigError as exc:
+            print(f"kvxfer bench: {exc}", file=sys.stderr)
+            return 2
     return run_bench(config, json_path=args.json)
 
 

@@ -6,8 +6,9 @@ The parent (the "scheduler") spawns it with :func:`spawn`, which reads the node'
 answers are ``[true, result]`` or ``[false, {code, message}]`` and the client re-raises the same
 :mod:`kvxfer.errors` class, so a rejection in the child reads exactly as it would in-process.
 
-The node fills and checks page contents with :mod:`kvxfer.tools.oracle`, so what a test asserts is the
-bytes the decode process actually holds, not a status code.
+The node fills and checks page contents with :mod:`kvxfer.tools.oracle` (a layout with a geometry, one
+tensor-parallel rank's: cell by cell with :mod:`kvxfer.tools.head_oracle`), so what a test asserts is
+the bytes the decode process actually holds, not a status code.
 
 A node never outlives its parent (:mod:`kvxfer.tools.procs`): it watches the parent's lifeline, and SIGTERM
 or SIGINT (from the parent, a terminal, or the kernel when the parent dies) closes its engine before
@@ -30,11 +31,12 @@ import msgpack
 import numpy as np
 import zmq
 
+from ..core.geometry import KVGeometry
 from ..core.layout import KVLayout
 from ..engine import DecodeEngine, EngineConfig, PrefillEngine
-from ..errors import ERROR_CLASSES, KvxferError, PeerError
+from ..errors import ERROR_CLASSES, ConfigError, KvxferError, PeerError
 from ..transport import faults as faults_mod
-from . import oracle, procs
+from . import head_oracle, oracle, procs
 
 log = logging.getLogger("kvxfer.tools.node")
 
@@ -42,7 +44,9 @@ log = logging.getLogger("kvxfer.tools.node")
 @dataclass
 class NodeSpec:
     """Everything an engine node process needs to start (sent to it as JSON): role, KV layout, engine
-    config, fault injection, seed and log level."""
+    config, fault injection, seed and log level. ``geometry`` (:meth:`KVGeometry.wire` form) gives the
+    layout a geometry (its buffers then follow it, ``num_buffers`` and ``item_len`` must agree): the
+    node's pages are filled and checked cell by cell (:mod:`kvxfer.tools.head_oracle`)."""
 
     role: str
     num_buffers: int
@@ -53,6 +57,7 @@ class NodeSpec:
     faults: dict[str, Any] | None = None
     seed: int = 0
     log_level: str = "WARNING"
+    geometry: list[Any] | None = None
 
 
 # the child ---------------------------------------------------------------------------------------
@@ -61,9 +66,16 @@ class NodeSpec:
 class _Node:
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec
+        geometry = KVGeometry.from_wire(spec.geometry) if spec.geometry else None
         self.layout = KVLayout.allocate(
-            num_buffers=spec.num_buffers, item_len=spec.item_len, num_pages=spec.num_pages, page_size=spec.page_size
+            num_buffers=spec.num_buffers, item_len=spec.item_len, num_pages=spec.num_pages, page_size=spec.page_size,
+            geometry=geometry,
         )
+        if geometry is not None and (self.layout.num_buffers != spec.num_buffers
+                                     or any(int(x) != spec.item_len for x in self.layout.item_lens)):
+            raise ConfigError(f"{spec.role} node: the geometry describes {self.layout.num_buffers} buffers of "
+                              f"{sorted(set(map(int, self.layout.item_lens)))} B/page, the spec says "
+                              f"{spec.num_buffers} of {spec.item_len}")
         config = EngineConfig(**spec.config)
         self.faults = None
         if spec.faults is not None:
@@ -211,8 +223,10 @@ class _Node:
         self.engine.close()
 
     # benchmark -----------------------------------------------------------------------------------
-    def rpc_bench_start(self, requests: list[list[Any]], concurrency: int, peer: str | None = None) -> None:
-        """Start this node's half of a benchmark in the background (see kvxfer.tools.bench_loops)."""
+    def rpc_bench_start(self, requests: list[list[Any]], concurrency: int, peer: str | None = None,
+                        peers: list[str] | None = None) -> None:
+        """Start this node's half of a benchmark in the background (see kvxfer.tools.bench_loops); a
+        decode's ``peers``: the prefill ranks that write each request's heads."""
         import threading
 
         from . import bench_loops as loops
@@ -223,8 +237,8 @@ class _Node:
         def run() -> None:
             try:
                 if self.spec.role == "decode":
-                    result = loops.receive_loop(self.engine, peer or self.engine.receiver.default_peer(), plan,
-                                                concurrency)
+                    writer = peer or (None if peers else self.engine.receiver.default_peer())
+                    result = loops.receive_loop(self.engine, writer, plan, concurrency, peers=peers)
                 else:
                     result = loops.send_loop(self.engine, plan, concurrency)
             except Exception as exc:  # reported to the driver
@@ -254,16 +268,25 @@ class _Node:
     def rpc_connect(self, address: str, timeout: float = 10.0) -> str:
         return self.engine.connect(address, timeout=timeout)
 
-    def rpc_admit(self, rid: Any, tokens: int, peer: str | None = None) -> dict[str, Any]:
+    def rpc_admit(self, rid: Any, tokens: int, peer: str | None = None, peers: list[str] | None = None,
+                  any_peer: bool = False) -> dict[str, Any]:
+        """Admit on either role: ``peer`` names the one peer, ``peers`` every peer of a request of several
+        tensor-parallel ranks (a decode: its writers in rank order; a prefill: the decode ranks it serves);
+        ``any_peer`` lets a prefill's request bind to the first decode that sends its destination."""
         if self.spec.role == "decode":
-            return _describe(self.engine.admit(rid, tokens, peer=peer))
-        return _describe(self.engine.admit(rid, tokens))
+            return _describe(self.engine.admit(rid, tokens, peer=peer, peers=peers))
+        return _describe(self.engine.admit(rid, tokens, peer=peer, peers=peers, any_peer=any_peer))
 
     def rpc_read_check(self, rid: Any, seed: int = 0, release: bool = True) -> dict[str, Any]:
-        """Read the request through the ownership-checked API and compare with the oracle."""
+        """Read the request through the ownership-checked API and compare with the oracle (with a
+        geometry: cell by cell, keyed by request id and its token count)."""
         with self.engine.read(rid) as kv:
             views = [kv.buffer(b) for b in range(self.layout.num_buffers)]
-            report = oracle.check(self.layout, kv.pages, rid=rid, gen=kv.generation, seed=seed, views=views)
+            if self.layout.geometry is not None:
+                tokens = self.engine.status(rid).tokens
+                report = head_oracle.check(self.layout, kv.pages, rid=rid, tokens=tokens, seed=seed, views=views)
+            else:
+                report = oracle.check(self.layout, kv.pages, rid=rid, gen=kv.generation, seed=seed, views=views)
         if release:
             self.engine.release(rid)
         return report.to_dict()
@@ -276,9 +299,13 @@ class _Node:
 
     # prefill -----------------------------------------------------------------------------------
     def rpc_prepare(self, rid: Any, seed: int = 0, timeout: float = 30.0) -> dict[str, Any]:
-        """Wait for the destination, then 'compute' the KV: fill source pages with oracle bytes."""
+        """Wait for the destination, then 'compute' the KV: fill source pages with oracle bytes (with a
+        geometry: this rank's heads of every token, cell by cell)."""
         req = self.engine.wait_ready(rid, timeout=timeout)
-        oracle.fill(self.layout, req.pages, rid=rid, gen=req.gen, seed=seed)
+        if self.layout.geometry is not None:
+            head_oracle.fill(self.layout, self.engine.source_pages(rid), rid=rid, tokens=req.tokens, seed=seed)
+        else:
+            oracle.fill(self.layout, req.pages, rid=rid, gen=req.gen, seed=seed)
         return _describe(req)
 
     def rpc_send(self, rid: Any, count: int | None = None) -> dict[str, Any]:

@@ -6,8 +6,10 @@ processes, destination pages allocated at random so they are scattered across th
 ``ib_write_bw`` on the same device for verbs; the plain two-process socket stream and, when
 installed, Mooncake's and NIXL's TCP paths for tcp; a single-threaded scattered memcpy of the same
 pages for shm (:mod:`.baselines`). A baseline that is not installed gets one line saying what to
-install, no row and no ratio, and is listed under ``skipped`` in the JSON. Speed targets are judged on
-the printed ratios, never by timed unit tests.
+install, no row and no ratio, and is listed under ``skipped`` in the JSON. ``--tp P:1`` adds, per page
+size and checks setting, the same transfer with prefill TP ``P`` into decode TP 1 (:mod:`.tp`), reported
+as a ratio against the equal-TP case (unequal / equal). Speed targets are judged on the printed
+ratios, never by timed unit tests.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);
 a stop signal closes every session that was started, without the closing measurements.
@@ -49,6 +51,10 @@ def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
                               for w in ("on", "off") for c in checks]
     else:
         out = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
+    if config.tp:
+        from .tp import UnequalTpSession, parse_tp
+
+        out += [UnequalTpSession(config, page_bytes, c, node_log, parse_tp(config.tp)) for c in checks]
     for name in config.baselines:
         runner = baselines.RUNNERS.get(name)
         if runner is not None and config.transport in runner.transports and name not in (skip or {}):
@@ -82,6 +88,8 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
             tail = node_log.read()[-3000:]
             if tail.strip():
                 console.print(tail, markup=False, highlight=False)
+    ratios = compute_ratios(results)
+    unequal = {(r["case"], r["page_bytes"], r["checks"]): r for r in ratios if "unequal_tp" in r}
     table = Table(title=f"kvxfer bench ({config.transport}): median of {config.repeat} interleaved rounds")
     for column in ("case", "page", "checks", "GB/s", "spread", "pages/s", "note"):
         table.add_column(column, overflow="fold")
@@ -93,6 +101,9 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
             continue
         note = "" if "decode_rss_growth_of_moved" not in r.extra else \
             f"rss +{100 * r.extra['decode_rss_growth_of_moved']:.1f}% of moved"
+        tp = unequal.get((r.transport, r.page_bytes, r.checks))
+        if tp is not None:
+            note = f"TP {tp['unequal_tp']} / equal TP: {tp['gbps_ratio']:.2f}x" + (f"; {note}" if note else "")
         table.add_row(r.transport, f"{r.page_bytes:,}", r.checks, f"{r.gbps:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{r.pages_per_s:,.0f}", note)
     console.print(table)
@@ -104,7 +115,6 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
                           f"({r.extra['latency_requests']} requests)", markup=False, highlight=False, soft_wrap=True)
     for name, reason in skipped.items():
         console.print(f"{name}: skipped, {reason}", markup=False, highlight=False, soft_wrap=True)
-    ratios = compute_ratios(results)
     for line in ratios:
         console.print(line["text"], soft_wrap=True)  # one line each, whatever the width
     console.print(f"bench took {time.monotonic() - started:.1f} s")
@@ -156,13 +166,19 @@ def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], r
 
 
 def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:
-    """kvxfer (checks on) against every other case of the same page size.
+    """kvxfer (checks on) against every other case of the same page size; an unequal-TP case
+    (``--tp``) only against the equal-TP case of its page size and checks (``unequal_tp`` set).
 
     The ratio is the median over rounds of the per-round speed ratio: both cases ran in the same
     round, back to back, so drift of a shared, noisy machine cancels out. The ratio of the medians
     is kept beside it."""
     out = []
     by = {(r.transport, r.page_bytes, r.checks): r for r in results if not r.error and r.seconds}
+    unequal = {key: by.pop(key) for key in [k for k, r in by.items() if "tp" in r.extra]}
+    for (_case, page, checks), r in unequal.items():
+        equal = by.get((r.extra["equal_case"], page, checks))
+        if equal is not None:
+            out.append(_unequal_ratio(r, equal))
     for (transport, page, checks), r in by.items():
         if not transport.startswith("kvxfer") or checks != "on":
             continue
@@ -180,6 +196,21 @@ def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:
                         "text": f"{transport} (checks on) / {label} at {page:,} B: {ratio:.2f}x "
                                 f"(median of {len(paired)} paired rounds; ratio of medians {of_medians:.2f}x)"})
     return out
+
+
+def _unequal_ratio(r: CaseResult, equal: CaseResult) -> dict[str, Any]:
+    """The unequal-TP case against the equal-TP case of the same page size and checks: speed ratio,
+    unequal / equal (below 1: the head slices cost that much), paired by round as in :func:`compute_ratios`."""
+    of_medians = r.gbps / equal.gbps if equal.gbps else 0.0
+    paired = [(e_s / equal.bytes) / (r_s / r.bytes) for r_s, e_s in zip(r.runs, equal.runs) if r_s and e_s]
+    ratio = statistics.median(paired) if paired else of_medians
+    tp = r.extra["tp"]
+    return {"case": r.transport, "page_bytes": r.page_bytes, "against": equal.transport, "checks": r.checks,
+            "unequal_tp": tp, "gbps_ratio": round(ratio, 3), "pages_per_s_ratio": round(ratio, 3),
+            "ratio_of_medians": round(of_medians, 3), "rounds": len(paired),
+            "text": f"{r.transport} / {equal.transport} (checks {r.checks}) at {r.page_bytes:,} B: {ratio:.2f}x "
+                    f"(prefill TP {tp} / equal TP, the same bytes and decode pages; median of {len(paired)} "
+                    f"paired rounds; ratio of medians {of_medians:.2f}x)"}
 
 
 __all__ = ["BenchConfig", "CaseResult", "KvxferSession", "PeerSession", "Session", "Unavailable", "run_bench"]

@@ -38,6 +38,7 @@ class BenchConfig:
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
     compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
+    tp: str | None = None  # "P:1": also prefill TP P into decode TP 1, its own case (kvxfer.tools.bench.tp)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """``kvxfer stress``: a transfer stress and chaos tool with a leak oracle.
 
 Drives prefill and decode engines in separate processes with a bounded workload and every fault
-the design names, and judges the run by the bytes the decode side reads (see :mod:`.driver`).
+the design names, and judges the run by the bytes the decode side reads (see :mod:`.driver`). With a
+topology (``--prefill-tp``, ``--decode-tp``, page sizes per role) every tensor-parallel rank is its
+own process and decode pages, assembled from head slices, are checked cell by cell (:mod:`.ranks`).
 ``--unsafe-legacy`` switches off admission rejection, completion verification and deferred
 release, reproducing the incident's behaviour, as a negative control for the oracle.
 """

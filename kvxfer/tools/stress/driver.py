@@ -1,10 +1,18 @@
-"""The stress driver: plays scheduler for a prefill and a decode node process and judges by content.
+"""The stress driver: plays scheduler for the ranks of a prefill and a decode server and judges by content.
 
-One loop advances every in-flight request through its phases (admit on both roles, wait for the
-destination, fill source pages with oracle bytes, send in chunks, wait, read back and check every
-page), injects the request-level faults of its plan, and polls both nodes' statuses in bulk. The
-verdict per request is made from what the decode process actually holds (:mod:`kvxfer.tools.oracle`), and
-at the end both pools must be whole again.
+One loop advances every in-flight request through its phases (admit on every rank of both roles,
+wait until every prefill rank has its destinations, fill source pages with oracle bytes, send in
+chunks on every prefill rank, wait, read back and check every decode rank's pages), injects the
+request-level faults of its plan, and polls every rank's statuses in bulk. The verdict per request
+is made from what the decode processes actually hold (:mod:`kvxfer.tools.oracle`, or cell by cell
+with a topology: :mod:`kvxfer.tools.head_oracle`), and at the end every pool must be whole again.
+
+A request is one request across the ranks (:mod:`.ranks`): the plain pair is one rank of each. A
+request-level fault acts on the request as a whole: an abort mid-transfer starts on one decode rank
+and the engines carry it to the ranks that share its writers (the driver starts it once in each
+group of ranks that share none), a client disconnect aborts every rank, ``kill_sender`` kills one
+prefill rank process and the driver stops the request's other ranks. A request completes only when
+every decode rank read back exactly its bytes; a rank that ends otherwise ends the request.
 
 Invariants of the run: it stops by itself (request count and/or duration, then a bounded settle);
 it only talks to processes it started, on loopback; those processes and its key directory (a
@@ -21,14 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ...errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from .. import procs
-from ..node import NodeClient, NodeSpec, spawn
-from .workload import ALL_FAULTS, RequestPlan, StressConfig, Workload
+from .ranks import Ranks, key_names
+from .result import StressResult, pool_totals
+from .workload import RequestPlan, StressConfig, Workload
 
 log = logging.getLogger("kvxfer.stress")
+
+__all__ = ["Live", "Phase", "StressDriver", "StressResult"]
+
+_ENDED = ("FAILED", "ABORTED", "REJECTED", "RELEASED")
 
 
 class Phase(enum.Enum):
@@ -45,15 +56,19 @@ class Phase(enum.Enum):
 
 @dataclass
 class Live:
-    """The driver's record of one in-flight request: its plan, phase, progress and, once ended, its outcome."""
+    """The driver's record of one in-flight request across the ranks: its plan, phase, which ranks hold
+    it, each prefill rank's sending progress, each decode rank's ending and, once ended, its outcome."""
 
     plan: RequestPlan
     phase: Phase = Phase.ADMIT_PREFILL
-    instance: int = 0
-    prefill_admitted: bool = False
-    decode_admitted: bool = False
-    pages: int = 0
+    prefills: set[int] = field(default_factory=set)  # prefill ranks that admitted it
+    decodes: set[int] = field(default_factory=set)  # decode ranks that admitted it
+    bound: dict[int, int] = field(default_factory=dict)  # prefill rank -> incarnation the request depends on
+    src_pages: dict[int, int] = field(default_factory=dict)  # prefill rank -> source pages it sends (0: none)
+    sent: dict[int, int] = field(default_factory=dict)  # prefill rank -> source pages sent so far
+    done_sending: set[int] = field(default_factory=set)
     sent_chunks: int = 0
+    ended: dict[int, tuple[str, str]] = field(default_factory=dict)  # decode rank -> (state, detail); READ: checked
     retry_at: float = 0.0
     started: float = 0.0
     expect: str = ""
@@ -62,140 +77,18 @@ class Live:
     fired: str = ""  # the request-level fault of its plan, once it has been injected
     collateral: str = ""  # an injected fault aimed at another request that takes this one down too (kill_sender)
 
-
-@dataclass
-class StressResult:
-    """Everything a stress run counted and measured; :attr:`ok` is the verdict (no leak, no corruption, no lost
-    page, no rejected request that succeeded, accounting clean, settled)."""
-
-    config: StressConfig
-    outcomes: Counter = field(default_factory=Counter)
-    faults: Counter = field(default_factory=Counter)
-    planned: Counter = field(default_factory=Counter)
-    failures: Counter = field(default_factory=Counter)
-    leaked_pages: int = 0
-    corrupted_pages: int = 0
-    pages_checked: int = 0
-    rejected_succeeded: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
-    samples: list[tuple[float, int]] = field(default_factory=list)
-    elapsed: float = 0.0
-    decode_stats: dict[str, Any] = field(default_factory=dict)
-    prefill_stats: dict[str, Any] = field(default_factory=dict)
-    accounting_errors: list[str] = field(default_factory=list)
-    accounting_checks: int = 0  # check_accounting() calls on a live node during the run
-    settled: bool = True
-    kills: int = 0
-    leak_sources: set = field(default_factory=set)
-    # (outcome, cause): cause is the injected fault the outcome was meant to come from, "" if none was
-    causes: Counter = field(default_factory=Counter)
-    unexpected_failures: Counter = field(default_factory=Counter)
-
-    # the verdict -----------------------------------------------------------------------------
     @property
-    def pool_total(self) -> int:
-        return int(self.decode_stats.get("pool_total", 0))
+    def prefill_admitted(self) -> bool:
+        return bool(self.prefills)
 
     @property
-    def pool_free_at_end(self) -> int:
-        return int(self.decode_stats.get("pool_free", 0))
-
-    @property
-    def quarantined_at_end(self) -> int:
-        return int(self.decode_stats.get("pages", {}).get("quarantined", 0))
-
-    @property
-    def lost_pages(self) -> int:
-        lost = self.pool_total - self.pool_free_at_end
-        lost += int(self.prefill_stats.get("pool_total", 0)) - int(self.prefill_stats.get("pool_free", 0))
-        return lost
-
-    @property
-    def bytes_moved(self) -> int:
-        """Bytes landed in the decode's pages: its write guard's ``landed_bytes``, which counts every
-        accepted write on tcp and shm and, on verbs (where the receiver cannot see writes land), the
-        writes that DONE's write log declared and the guard accepted."""
-        return int(self.samples[-1][1]) if self.samples else 0
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.leaked_pages == 0
-            and self.corrupted_pages == 0
-            and self.lost_pages == 0
-            and self.rejected_succeeded == 0
-            and not self.accounting_errors
-            and self.settled
-        )
-
-    def latency(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
-
-    def as_injected(self, outcome: str) -> dict[str, int]:
-        """Requests that ended in ``outcome`` because an injected fault was meant to end them so, by fault."""
-        return {cause: n for (out, cause), n in sorted(self.causes.items()) if out == outcome and cause and n}
-
-    def unexpectedly(self, outcome: str) -> int:
-        """Requests that ended in ``outcome`` with no injected fault to explain it."""
-        return int(self.causes.get((outcome, ""), 0))
-
-    @property
-    def throughput(self) -> float:
-        """Bytes landed at the decode per second of the run (see :attr:`bytes_moved`)."""
-        return self.bytes_moved / self.elapsed if self.elapsed > 0 else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        writes = self.decode_stats.get("writes", {}).get("refused_by_reason", {})
-        requests = sum(self.outcomes.values())
-        return {
-            "transport": self.config.transport,
-            "unsafe_legacy": self.config.unsafe_legacy,
-            "requests": requests,
-            "completed": self.outcomes["completed"],
-            "rejected": self.outcomes["rejected"],
-            "aborted": self.outcomes["aborted"],
-            "failed": self.outcomes["failed"],
-            "failure_reasons": dict(self.failures),
-            # why requests did not complete, split into what the injected faults were meant to do
-            # (by fault) and what nothing injected explains
-            "failed_as_injected": self.as_injected("failed"),
-            "failed_unexpectedly": self.unexpectedly("failed"),
-            "unexpected_failure_reasons": dict(self.unexpected_failures),
-            "aborted_as_injected": self.as_injected("aborted"),
-            "aborted_unexpectedly": self.unexpectedly("aborted"),
-            "rejected_as_injected": self.as_injected("rejected"),
-            "rejected_unexpectedly": self.unexpectedly("rejected"),
-            "faults": {name: int(self.faults.get(name, 0)) for name in ALL_FAULTS},
-            "faults_planned": {name: int(self.planned.get(name, 0)) for name in ALL_FAULTS},
-            "sender_kills": self.kills,
-            "leaked_pages": self.leaked_pages,
-            "leaked_from_requests": len(self.leak_sources),
-            "corrupted_pages": self.corrupted_pages,
-            "lost_pages": self.lost_pages,
-            "rejected_succeeded": self.rejected_succeeded,
-            "pages_checked": self.pages_checked,
-            "stale_writes_refused": int(writes.get("stale_tag", 0)) + int(writes.get("unknown_tag", 0)),
-            "writes_refused": dict(writes),
-            "quarantined_at_end": self.quarantined_at_end,
-            "pool_total": self.pool_total,
-            "pool_free_at_end": self.pool_free_at_end,
-            "prefill_pool_total": int(self.prefill_stats.get("pool_total", 0)),
-            "prefill_pool_free_at_end": int(self.prefill_stats.get("pool_free", 0)),
-            "accounting_errors": self.accounting_errors,
-            "accounting_checks_during_run": self.accounting_checks,
-            "settled": self.settled,
-            "bytes_moved": self.bytes_moved,
-            "seconds": round(self.elapsed, 3),
-            # six significant digits: a slow run (soft-RoCE under emulation) moves kB/s, not 0
-            "throughput_gbps": float(f"{self.throughput / 1e9:.6g}"),
-            "throughput_bytes_per_s": round(self.throughput, 1),
-            "latency_ms": {"p50": round(self.latency(50), 3), "p99": round(self.latency(99), 3)},
-            "ok": self.ok,
-        }
+    def decode_admitted(self) -> bool:
+        return bool(self.decodes)
 
 
 class StressDriver:
-    """Runs one stress workload against a prefill and a decode node process it starts, and owns them and their keys.
+    """Runs one stress workload against the prefill and decode rank processes it starts (one of each
+    without a topology), and owns them and their keys.
 
     It only talks to the processes it started; they and its key directory do not outlive it."""
 
@@ -205,87 +98,22 @@ class StressDriver:
         self.result = StressResult(config)
         self.workload = Workload(config)
         self._on_progress = on_progress
-        self._node_log = node_log
         self.live: dict[str, Live] = {}
         self.started = 0
-        self.instance = 0
-        self.prefill: NodeClient | None = None
-        self.decode: NodeClient | None = None
-        self.peer = ""
         self._t0 = 0.0
-        # one key pair per role (a respawned writer keeps its role's key): authenticated control plane
+        # one key pair per rank (a respawned writer keeps its rank's key): authenticated control plane
         from ...wire.auth import write_cluster
 
         self._keys = procs.TempDir(prefix="kvxfer-stress-keys-")
-        self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, ["prefill", "decode"])}
+        self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, key_names(config))}
+        self.ranks = Ranks(config, self.keyrings, node_log)
         self._next_sample = 0.0
         self._next_audit = 0.0
-        self._fault_counts_closed: Counter = Counter()
-
-    # nodes ---------------------------------------------------------------------------------------
-    def _spec(self, role: str) -> NodeSpec:
-        cfg = self.config
-        config = {
-            "max_context": cfg.max_context,
-            "transport": cfg.transport,
-            "alloc_policy": cfg.alloc_policy,
-            "free_policy": cfg.free_policy,
-            "checksum": cfg.checksum,
-            "seed": cfg.seed,
-            "drain_timeout": cfg.drain_timeout,
-            "transfer_timeout": cfg.transfer_timeout,
-            "meta_timeout": cfg.transfer_timeout,
-            "unsafe_legacy": cfg.unsafe_legacy,
-            "heartbeat_interval": 0.5,
-            "transport_options": cfg.transport_options,
-            "keyring": self.keyrings[role],
-        }
-        if cfg.transport == "verbs":
-            config["peer_timeout"] = 10.0  # verbs has no EOF: a killed writer is found by its silence
-        pages = cfg.prefill_pages
-        if role == "prefill":
-            config["allow_undersized_pool"] = cfg.prefill_tokens < cfg.max_context
-        else:
-            pages = cfg.decode_pages
-        return NodeSpec(role=role, num_buffers=cfg.buffers, item_len=cfg.item_len, num_pages=pages,
-                        page_size=cfg.page_size, config=config,
-                        faults=cfg.link_faults() if role == "prefill" else None,
-                        seed=cfg.seed + self.instance, log_level="ERROR")
-
-    def _start_prefill(self) -> None:
-        self.prefill = spawn(self._spec("prefill"), stderr=self._node_log)
-        assert self.decode is not None
-        self.peer = self.decode.connect(address=self.prefill.control)
-
-    def _kill_prefill(self) -> None:
-        """SIGKILL the writer mid-transfer, settle what it owned, start a fresh one."""
-        assert self.prefill is not None
-        try:
-            self._fault_counts_closed.update(self.prefill.fault(op="counts"))
-        except KvxferError:
-            pass
-        self.prefill.kill()
-        self.prefill.close()
-        self.result.kills += 1
-        dead = self.instance
-        self.instance += 1
-        for live in self.live.values():
-            if live.instance != dead or live.phase in (Phase.END, Phase.ADMIT_PREFILL):
-                continue
-            live.collateral = "kill_sender"
-            if live.decode_admitted:
-                live.phase = Phase.WAIT_DECODE_END
-                live.expect = "failed"
-            else:
-                self._finish(live, "failed", "sender killed")
-        self._start_prefill()
 
     # the loop --------------------------------------------------------------------------------------
     def run(self) -> StressResult:
-        cfg = self.config
-        self.decode = spawn(self._spec("decode"), stderr=self._node_log)
         try:
-            self._start_prefill()
+            self.ranks.start()
             self._t0 = time.monotonic()
             while True:
                 now = time.monotonic()
@@ -305,12 +133,9 @@ class StressDriver:
         finally:
             self.result.elapsed = time.monotonic() - self._t0 if self._t0 else 0.0
             try:
-                for node in (self.prefill, self.decode):
-                    if node is not None:
-                        node.close()
+                self.ranks.close()
             finally:
                 self._keys.cleanup()
-        del cfg
         return self.result
 
     def _more(self, now: float) -> bool:
@@ -323,7 +148,7 @@ class StressDriver:
         while len(self.live) < self.config.concurrency and self._more(now):
             plan = self.workload.next()
             self.started += 1
-            live = Live(plan=plan, instance=self.instance, started=now)
+            live = Live(plan=plan, started=now)
             for fault in plan.faults:
                 self.result.planned[fault] += 1
             if "oversized" in plan.faults:
@@ -371,43 +196,72 @@ class StressDriver:
             return "flip_byte"
         return ""
 
+    # acting on every rank of a request -------------------------------------------------------------
+    def _abort_prefills(self, live: Live, reason: str, *, skip: int | None = None) -> None:
+        """Abort the request on every prefill rank that admitted it and still runs the process it was
+        admitted on (a terminal request is left as it is)."""
+        for p in sorted(live.prefills):
+            if p == skip or live.bound.get(p) != self.ranks.incarnations[p]:
+                continue
+            try:
+                self.ranks.prefill(p).abort(rid=live.plan.rid, reason=reason)
+            except KvxferError:
+                pass
+
+    def _abort_decodes(self, live: Live, reason: str, ranks: list[int] | None = None) -> None:
+        for d in sorted(live.decodes) if ranks is None else ranks:
+            if d in live.decodes and d not in live.ended:
+                self.ranks.decode(d).abort(rid=live.plan.rid, reason=reason)
+
+    def _give_up(self, live: Live, detail: str) -> None:
+        """The request failed on one rank: stop it on the others, then wait for its decode ranks (if
+        any took it) to end, or end it now."""
+        self._abort_prefills(live, "request failed on another rank")
+        orphans = [d for d in live.decodes if not set(self.ranks.writers[d]) <= live.prefills]
+        for d in orphans:  # no writer of theirs admitted it: nobody else tells them
+            try:
+                self._abort_decodes(live, "request failed on another rank", [d])
+            except KvxferError:
+                pass
+        if live.decode_admitted:
+            live.phase = Phase.WAIT_DECODE_END
+            live.expect = live.expect or "failed"
+        else:
+            self._finish(live, "failed", detail)
+
     # one step of one request ---------------------------------------------------------------------------
     def _act(self, live: Live, now: float) -> None:
-        assert self.prefill is not None and self.decode is not None
         plan = live.plan
         rid = plan.rid
         try:
             if live.phase is Phase.ADMIT_PREFILL:
-                self.prefill.admit(rid=rid, tokens=plan.tokens)
-                live.prefill_admitted = True
-                live.instance = self.instance
-                if "abort_before_bootstrap" in plan.faults:
-                    self._fired(live, "abort_before_bootstrap")
-                    self.prefill.abort(rid=rid, reason="aborted before bootstrap")
-                    self._finish(live, "aborted")
-                    return
-                if "client_disconnect" in plan.faults and plan.disconnect_at == 0:
-                    self._fired(live, "client_disconnect")
-                    self.prefill.abort(rid=rid, reason="client disconnected")
-                    self._finish(live, "aborted")
-                    return
+                for p in range(self.config.prefill_tp):
+                    if p not in live.prefills:
+                        self.ranks.prefill(p).admit(rid=rid, tokens=plan.tokens, **self.ranks.prefill_admit_args(p))
+                        live.prefills.add(p)
+                        live.bound.setdefault(p, self.ranks.incarnations[p])
+                for fault, at in (("abort_before_bootstrap", None), ("client_disconnect", 0)):
+                    if fault in plan.faults and (at is None or plan.disconnect_at == at):
+                        self._fired(live, fault)
+                        self._abort_prefills(live, "aborted before bootstrap" if at is None else "client disconnected")
+                        self._finish(live, "aborted")
+                        return
                 live.phase = Phase.ADMIT_DECODE
             elif live.phase is Phase.ADMIT_DECODE:
-                info = self.decode.admit(rid=rid, tokens=plan.tokens, peer=self.peer)
-                live.decode_admitted = True
-                live.pages = info["pages"]
+                for d in range(self.config.decode_tp):
+                    if d not in live.decodes:
+                        self.ranks.decode(d).admit(rid=rid, tokens=plan.tokens, **self.ranks.decode_admit_args(d))
+                        live.decodes.add(d)
+                        for p in self.ranks.writers[d]:
+                            live.bound.setdefault(p, self.ranks.incarnations[p])
                 if "abort_before_bootstrap" in plan.faults:  # decode-first variant
                     self._fired(live, "abort_before_bootstrap")
-                    self.decode.abort(rid=rid, reason="aborted before bootstrap")
+                    self._abort_decodes(live, "aborted before bootstrap")
                     live.phase = Phase.WAIT_DECODE_END
                     live.expect = "aborted"
                     return
                 if "client_disconnect" in plan.faults and plan.disconnect_at == 1:
-                    self._fired(live, "client_disconnect")
-                    self.decode.abort(rid=rid, reason="client disconnected")
-                    self.prefill.abort(rid=rid, reason="client disconnected")
-                    live.phase = Phase.WAIT_DECODE_END
-                    live.expect = "aborted"
+                    self._disconnect(live)
                     return
                 live.phase = Phase.WAIT_READY
             elif live.phase is Phase.SENDING:
@@ -417,153 +271,239 @@ class StressDriver:
         except PoolExhausted:
             live.retry_at = now + 0.02
         except PeerError as exc:
+            self._abort_prefills(live, "request failed on another rank")
             self._finish(live, "failed", f"peer: {exc}")
         except KvxferError as exc:
-            if live.decode_admitted:
-                live.phase = Phase.WAIT_DECODE_END
-                live.expect = "failed"
-            else:
-                self._finish(live, "failed", f"{exc.code}: {exc}")
+            self._give_up(live, f"{exc.code}: {exc}")
+
+    def _disconnect(self, live: Live) -> None:
+        """The client went away: every rank of both roles is told."""
+        self._fired(live, "client_disconnect")
+        self._abort_decodes(live, "client disconnected")
+        self._abort_prefills(live, "client disconnected")
+        live.phase = Phase.WAIT_DECODE_END
+        live.expect = "aborted"
 
     def _on_rejected(self, live: Live, exc: AdmissionRejected) -> None:
-        assert self.prefill is not None and self.decode is not None
         rid = live.plan.rid
         if live.prefill_admitted:
-            # The decode refused what the prefill accepted: drop the prefill half.
+            # A decode rank refused what the prefill ranks accepted: drop their halves (and any decode
+            # rank's that took it).
+            self._abort_prefills(live, f"decode rejected: {exc.reason}")
             try:
-                self.prefill.abort(rid=rid, reason=f"decode rejected: {exc.reason}")
+                self._abort_decodes(live, f"another decode rank rejected: {exc.reason}")
             except KvxferError:
                 pass
         elif not live.decode_admitted:
-            # The prefill refused: the decode must refuse it as well (before reserving anything).
-            try:
-                self.decode.admit(rid=rid, tokens=live.plan.tokens, peer=self.peer)
-            except AdmissionRejected:
-                pass
-            except KvxferError:
-                pass
-            else:
+            # A prefill rank refused: every other rank must refuse it as well (before reserving anything).
+            others = [(self.ranks.prefill(p), self.ranks.prefill_admit_args(p))
+                      for p in range(1, self.config.prefill_tp)]
+            others += [(self.ranks.decode(d), self.ranks.decode_admit_args(d)) for d in range(self.config.decode_tp)]
+            admitted = []
+            for node, args in others:
+                try:
+                    node.admit(rid=rid, tokens=live.plan.tokens, **args)
+                except KvxferError:
+                    continue
+                admitted.append(node)
+            if admitted:
                 self.result.rejected_succeeded += 1
-                self.decode.abort(rid=rid, reason="admitted after the prefill rejected it")
+                for node in admitted:
+                    node.abort(rid=rid, reason="admitted after another rank rejected it")
         if "oversized" not in live.plan.faults:
             self._finish(live, "failed", f"unexpected rejection: {exc.reason}")
             return
         self._finish(live, "rejected", exc.reason)
 
     def _send_chunk(self, live: Live) -> None:
-        assert self.prefill is not None and self.decode is not None
         plan = live.plan
         rid = plan.rid
         chunks = max(plan.chunks, 2 if plan.faults & {"abort_mid_transfer", "kill_sender", "client_disconnect"} else 1)
-        per = max(1, -(-live.pages // chunks))
-        info = self.prefill.send(rid=rid, count=per)
+        for p in sorted(live.src_pages):
+            if p in live.done_sending:
+                continue
+            total = live.src_pages[p]
+            per = max(1, -(-total // chunks))
+            info = self.ranks.prefill(p).send(rid=rid, count=per)
+            live.sent[p] = live.sent.get(p, 0) + per
+            # The writer decides when it is done (a legacy placeholder writer stops after one page).
+            if live.sent[p] >= total or info["state"] in ("DONE_SENT", "SUCCEEDED"):
+                live.done_sending.add(p)
         live.sent_chunks += 1
-        # The writer decides when it is done (a legacy placeholder writer stops after one page).
-        last = live.sent_chunks * per >= live.pages or info["state"] in ("DONE_SENT", "SUCCEEDED")
+        last = len(live.done_sending) == len(live.src_pages)
         if live.sent_chunks == 1 and not last:
             if "abort_mid_transfer" in plan.faults:
+                # on one decode rank; the engines carry it to the ranks that share its writers
                 self._fired(live, "abort_mid_transfer")
-                self.decode.abort(rid=rid, reason="aborted mid-transfer")
+                first = plan.decode_rank % self.config.decode_tp
+                starts = [first] + [group[0] for group in self.ranks.components() if first not in group]
+                self._abort_decodes(live, "aborted mid-transfer", starts)
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "aborted"
                 return
             if "client_disconnect" in plan.faults:
-                self._fired(live, "client_disconnect")
-                self.decode.abort(rid=rid, reason="client disconnected")
-                self.prefill.abort(rid=rid, reason="client disconnected")
-                live.phase = Phase.WAIT_DECODE_END
-                live.expect = "aborted"
+                self._disconnect(live)
                 return
             if "kill_sender" in plan.faults:
                 self._fired(live, "kill_sender")
-                self._kill_prefill()
+                self._kill_prefill(plan.prefill_rank % self.config.prefill_tp)
                 return
         if last:
             live.phase = Phase.WAIT_DONE
 
+    def _kill_prefill(self, p: int) -> None:
+        """SIGKILL prefill rank ``p`` mid-transfer, start a fresh one; every request that depended on the
+        dead process fails, and its other ranks are stopped."""
+        dead = self.ranks.replace_prefill(p)
+        self.result.kills += 1
+        for live in self.live.values():
+            if live.phase is Phase.END or live.bound.get(p) != dead:
+                continue
+            live.collateral = "kill_sender"
+            self._abort_prefills(live, "a prefill rank of the request died", skip=p)
+            if live.decode_admitted:
+                live.phase = Phase.WAIT_DECODE_END
+                live.expect = "failed"
+            else:
+                self._finish(live, "failed", "sender killed")
+
     # polling -----------------------------------------------------------------------------------------
     def _poll(self) -> None:
-        assert self.prefill is not None and self.decode is not None
-        ready = [lv for lv in self.live.values() if lv.phase is Phase.WAIT_READY and lv.instance == self.instance]
-        if ready:
-            try:
-                states = self.prefill.statuses(rids=[lv.plan.rid for lv in ready])
-            except PeerError:
-                states = {}
-            for live in ready:
-                status = states.get(repr(live.plan.rid))
-                if status is None:
-                    continue
-                if status["state"] == "READY":
-                    try:
-                        self.prefill.prepare(rid=live.plan.rid, seed=self.config.seed)
-                        live.phase = Phase.SENDING
-                    except KvxferError:
-                        live.phase = Phase.WAIT_DECODE_END
-                        live.expect = "failed"
-                elif status["state"] in ("FAILED", "ABORTED", "REJECTED"):
-                    live.phase = Phase.WAIT_DECODE_END
-                    live.expect = "failed"
+        self._poll_prefills()
         waiting = [lv for lv in self.live.values() if lv.phase in (Phase.WAIT_DONE, Phase.WAIT_DECODE_END)]
-        if not waiting:
-            return
-        states = self.decode.statuses(rids=[lv.plan.rid for lv in waiting])
-        for live in waiting:
-            status = states.get(repr(live.plan.rid))
-            if status is None:
+        for d in range(self.config.decode_tp):
+            ask = [lv for lv in waiting if d in lv.decodes and d not in lv.ended and lv.phase is not Phase.END]
+            if not ask:
                 continue
-            state = status["state"]
-            if state == "READABLE":
-                if live.phase is Phase.WAIT_DECODE_END or "abort_after_done" in live.plan.faults:
-                    if live.phase is Phase.WAIT_DONE:
-                        self._fired(live, "abort_after_done")
-                    self.decode.abort(rid=live.plan.rid, reason="aborted after DONE, before read")
-                    if live.phase is Phase.WAIT_DONE:
-                        live.expect = "aborted"
-                    live.phase = Phase.WAIT_DECODE_END
-                    continue
-                self._read(live)
-            elif state in ("FAILED", "ABORTED", "REJECTED", "RELEASED"):
-                if state == "ABORTED" or (state == "FAILED" and live.expect == "aborted"):
-                    self._finish(live, "aborted", status.get("error") or "")
-                elif state == "REJECTED":
-                    self._finish(live, "rejected", status.get("reason") or "")
-                else:
-                    self._finish(live, "failed", f"{status.get('check') or status.get('reason') or 'failed'}")
+            states = self.ranks.decode(d).statuses(rids=[lv.plan.rid for lv in ask])
+            for live in ask:
+                status = states.get(repr(live.plan.rid))
+                if status is not None and live.phase is not Phase.END:
+                    self._on_decode_status(live, d, status)
 
-    def _read(self, live: Live) -> None:
-        assert self.decode is not None
-        latency = (time.monotonic() - live.started) * 1000
+    def _poll_prefills(self) -> None:
+        """Requests waiting for their destinations: ready when every prefill rank is (a rank that writes
+        nothing for it has already succeeded); then each fills its source pages."""
+        ready = [lv for lv in self.live.values() if lv.phase is Phase.WAIT_READY]
+        if not ready:
+            return
+        states = []
+        for p in range(self.config.prefill_tp):
+            try:
+                states.append(self.ranks.prefill(p).statuses(rids=[lv.plan.rid for lv in ready]))
+            except PeerError:
+                states.append({})
+        for live in ready:
+            got = [rank.get(repr(live.plan.rid)) for rank in states]
+            if any(s is None for s in got):
+                continue
+            names = [s["state"] for s in got]
+            if any(n in ("FAILED", "ABORTED", "REJECTED") for n in names):
+                self._give_up(live, "prefill rank ended")
+                continue
+            if not all(n in ("READY", "SUCCEEDED") for n in names):
+                continue
+            try:
+                for p, name in enumerate(names):
+                    if name == "READY":
+                        live.src_pages[p] = int(self.ranks.prefill(p).prepare(rid=live.plan.rid,
+                                                                               seed=self.config.seed)["pages"])
+                    else:  # this rank holds no head the decode ranks need: it writes nothing
+                        live.src_pages[p] = 0
+                        live.done_sending.add(p)
+                live.phase = Phase.SENDING
+            except KvxferError as exc:
+                self._give_up(live, f"{exc.code}: {exc}")
+
+    def _on_decode_status(self, live: Live, d: int, status: dict[str, Any]) -> None:
+        state = status["state"]
+        rid = live.plan.rid
+        if state == "READABLE":
+            if live.phase is Phase.WAIT_DECODE_END or "abort_after_done" in live.plan.faults:
+                if live.phase is Phase.WAIT_DONE:
+                    self._fired(live, "abort_after_done")
+                    live.expect = "aborted"
+                self.ranks.decode(d).abort(rid=rid, reason="aborted after DONE, before read")
+                live.phase = Phase.WAIT_DECODE_END
+                return
+            self._read(live, d)
+        elif state in _ENDED:
+            if state == "ABORTED":
+                detail = status.get("error") or ""
+            elif state == "REJECTED":
+                detail = status.get("reason") or ""
+            else:
+                detail = f"{status.get('check') or status.get('reason') or 'failed'}"
+            live.ended[d] = (state, detail)
+            if state == "FAILED" and detail == "timeout":
+                self.result.rank_timeouts += 1  # nobody told this rank the request ended (transfer_timeout)
+            if live.phase is Phase.WAIT_DONE:
+                live.phase = Phase.WAIT_DECODE_END  # the request failed: its other ranks are not read
+        else:
+            return
+        if len(live.ended) == len(live.decodes):
+            self._conclude(live)
+
+    def _read(self, live: Live, d: int) -> None:
         try:
-            report = self.decode.read_check(rid=live.plan.rid, seed=self.config.seed)
+            report = self.ranks.decode(d).read_check(rid=live.plan.rid, seed=self.config.seed)
         except KvxferError as exc:
-            self._finish(live, "failed", f"read: {exc.code}")
+            live.ended[d] = ("FAILED", f"read: {exc.code}")
+            live.phase = Phase.WAIT_DECODE_END
             return
         self.result.pages_checked += report["pages"]
         self.result.leaked_pages += report["leaked_pages"]
         self.result.corrupted_pages += report["corrupted_pages"]
         for source in report["leaked_from"]:
             self.result.leak_sources.add(tuple(source))
-        if "oversized" in live.plan.faults:
-            self.result.rejected_succeeded += 1
-        self.result.latencies_ms.append(latency)
-        self._finish(live, "completed")
+        live.ended[d] = ("READ", "")
+
+    def _conclude(self, live: Live) -> None:
+        """Every decode rank that took the request has ended it: the request's outcome."""
+        ends = [live.ended[d] for d in sorted(live.ended)]
+        states = {state for state, _ in ends}
+
+        def detail(*names: str) -> str:
+            return next(text for state, text in ends if state in names)
+
+        if states == {"READ"}:
+            if "oversized" in live.plan.faults:
+                self.result.rejected_succeeded += 1
+            self.result.latencies_ms.append((time.monotonic() - live.started) * 1000)
+            self._finish(live, "completed")
+        elif "REJECTED" in states:
+            self._finish(live, "rejected", detail("REJECTED"))
+        elif "FAILED" in states and live.expect != "aborted":
+            # With several ranks failed, the request failed for the reason an injected fault explains,
+            # if one does (a flipped byte fails one rank's checksum; the writer then stops the other
+            # ranks' legs mid-way, which fail their coverage check): the others are counted apart.
+            reasons = [text for state, text in ends if state == "FAILED"]
+            explained = [r for r in reasons if self._cause(live, "failed", r.split(":")[0][:60] or "failed")]
+            primary = (explained or reasons)[0]
+            reasons.remove(primary)
+            for text in reasons:
+                if text != primary:
+                    self.result.secondary_failures[text.split(":")[0][:60] or "failed"] += 1
+            self._finish(live, "failed", primary)
+        elif states & {"ABORTED", "FAILED"}:
+            self._finish(live, "aborted", detail("ABORTED", "FAILED"))
+        else:
+            self._finish(live, "failed", detail(*_ENDED))
 
     def _sample(self, now: float) -> None:
         if now < self._next_sample:
             return
         self._next_sample = now + 0.5
-        assert self.decode is not None
-        landed = self.decode.stats()["writes"]["landed_bytes"]
-        self.result.samples.append((now - self._t0, int(landed)))
+        landed = sum(int(node.stats()["writes"]["landed_bytes"]) for node in self.ranks.decodes if node is not None)
+        self.result.samples.append((now - self._t0, landed))
 
     def _audit(self, now: float) -> None:
-        """The accounting invariant on both live nodes, while requests are in flight (once a second)."""
+        """The accounting invariant on every live rank, while requests are in flight (once a second)."""
         if now < self._next_audit:
             return
         self._next_audit = now + 1.0
-        for node in (self.decode, self.prefill):
-            if node is None or not node.alive():
+        for label, node in self.ranks.labelled():
+            if not node.alive():
                 continue  # a killed writer is being replaced (kill_sender)
             try:
                 node.accounting()
@@ -571,34 +511,39 @@ class StressDriver:
             except PeerError:
                 continue  # died between the check and the call: the restart handles it
             except KvxferError as exc:
-                self.result.accounting_errors.append(f"{node.spec.role} during the run: {exc}")
+                self.result.accounting_errors.append(f"{label} during the run: {exc}")
 
     # the end -----------------------------------------------------------------------------------------
     def _settle(self) -> None:
-        """Wait (bounded) until no request is active on either node, then take the accounting."""
-        assert self.prefill is not None and self.decode is not None
+        """Wait (bounded) until no request is active on any rank, then take every pool's accounting."""
         deadline = time.monotonic() + self.config.settle_timeout
         while True:
-            dstats, pstats = self.decode.stats(), self.prefill.stats()
-            if dstats["active"] == 0 and pstats["active"] == 0:
+            active = {label: int(node.stats()["active"]) for label, node in self.ranks.labelled()}
+            if not any(active.values()):
                 break
             if time.monotonic() > deadline:
                 self.result.settled = False
-                log.error("requests still active after %.0f s: decode %d, prefill %d",
-                          self.config.settle_timeout, dstats["active"], pstats["active"])
+                log.error("requests still active after %.0f s: %s", self.config.settle_timeout,
+                          ", ".join(f"{label} {n}" for label, n in active.items()))
                 break
             time.sleep(0.1)
         self._next_sample = 0.0
         self._sample(time.monotonic())
-        for node in (self.decode, self.prefill):
+        for label, node in self.ranks.labelled():
             try:
                 node.accounting()
             except KvxferError as exc:
-                self.result.accounting_errors.append(f"{node.spec.role}: {exc}")
-        self.result.decode_stats = self.decode.stats()
-        self.result.prefill_stats = self.prefill.stats()
-        counts = Counter(self._fault_counts_closed)
-        counts.update(self.prefill.fault(op="counts"))
+                self.result.accounting_errors.append(f"{label}: {exc}")
+        stats = {label: node.stats() for label, node in self.ranks.labelled()}
+        self.result.decode_stats = pool_totals([s for label, s in stats.items() if label.startswith("decode")])
+        self.result.prefill_stats = pool_totals([s for label, s in stats.items() if label.startswith("prefill")])
+        self.result.pools = [{"pool": label, "total": int(s["pool_total"]), "free": int(s["pool_free"]),
+                              "quarantined": int(s.get("pages", {}).get("quarantined", 0))}
+                             for label, s in stats.items()]
+        counts = Counter(self.ranks.closed_fault_counts)
+        for node in self.ranks.prefills:
+            if node is not None:
+                counts.update(node.fault(op="counts"))
         for name, key in (("late_write", "late"), ("duplicate_write", "duplicate"), ("flip_byte", "flip"),
                           ("slow_link", "slow")):
             self.result.faults[name] += int(counts.get(key, 0))

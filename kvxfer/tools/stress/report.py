@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .driver import StressResult
+from .result import StressResult
 
 
 def rate_text(bytes_per_s: float) -> str:
@@ -67,7 +68,9 @@ def summary_table(result: StressResult) -> Any:
     from rich.table import Table
 
     s = result.summary()
-    table = Table(title=f"kvxfer stress ({s['transport']}{', UNSAFE LEGACY' if s['unsafe_legacy'] else ''})")
+    topology = s["topology"]["text"]
+    table = Table(title=f"kvxfer stress ({s['transport']}{', ' + topology if topology else ''}"
+                        f"{', UNSAFE LEGACY' if s['unsafe_legacy'] else ''})")
     table.add_column("measure")
     table.add_column("value", justify="right")
 
@@ -88,6 +91,8 @@ def summary_table(result: StressResult) -> Any:
         ("rejected at admission, as injected", by_fault(sum(s["rejected_as_injected"].values()),
                                                         s["rejected_as_injected"])),
     ]
+    if s["secondary_failure_reasons"]:
+        rows.append(("other decode ranks' own reasons in failed requests", _by_fault(s["secondary_failure_reasons"])))
     if s["aborted_unexpectedly"]:
         rows.append(("aborted unexpectedly", s["aborted_unexpectedly"]))
     if s["rejected_unexpectedly"]:
@@ -103,7 +108,7 @@ def summary_table(result: StressResult) -> Any:
         ("quarantined at end", bad(s["quarantined_at_end"])),
         ("accounting checks while running / violations",
          f"{s['accounting_checks_during_run']} / {bad(len(s['accounting_errors']))}"),
-        ("decode pool free at end", f"{s['pool_free_at_end']} / {s['pool_total']}"),
+        *_pool_rows(s),
         ("bytes landed at decode", f"{s['bytes_moved']:,}"),
         ("throughput", f"{rate_text(result.throughput)} over {s['seconds']:.1f} s"),
         ("latency p50 / p99", f"{s['latency_ms']['p50']:.1f} / {s['latency_ms']['p99']:.1f} ms"),
@@ -111,6 +116,20 @@ def summary_table(result: StressResult) -> Any:
     for name, value in rows:
         table.add_row(name, str(value))
     return table
+
+
+def _pool_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The decode pool's free pages at the end; with a topology, each role's pools summed over its ranks."""
+    if not s["topology"]["text"]:
+        return [("decode pool free at end", f"{s['pool_free_at_end']} / {s['pool_total']}")]
+    ranks = Counter(pool["pool"].split()[0] for pool in s["pools"])
+
+    def of(role: str) -> str:
+        return f"{ranks[role]} rank{'s' if ranks[role] != 1 else ''}"
+
+    return [(f"decode pools free at end ({of('decode')})", f"{s['pool_free_at_end']} / {s['pool_total']}"),
+            (f"prefill pools free at end ({of('prefill')})",
+             f"{s['prefill_pool_free_at_end']} / {s['prefill_pool_total']}")]
 
 
 def write_json(result: StressResult, path: str) -> None:
@@ -145,8 +164,9 @@ def write_png(result: StressResult, path: str) -> None:
     bottom.set_ylabel("requests")
     bottom.set_title("transfer latency distribution")
     s = result.summary()
+    topology = f"\n{s['topology']['text']}" if s["topology"]["text"] else ""
     fig.suptitle(f"kvxfer stress: {s['requests']} requests, leaked {s['leaked_pages']}, "
-                 f"corrupted {s['corrupted_pages']}, lost {s['lost_pages']}")
+                 f"corrupted {s['corrupted_pages']}, lost {s['lost_pages']}{topology}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,6 +5,11 @@ tail). Each request draws its own plan of request-level faults (aborts at each p
 disconnects, an oversized prompt in the unsafe band, killing the writer process); link-level faults
 (flipped bytes, duplicated and late writes, slow frames) are per-frame rates handed to the writer's
 transport. Everything derives from ``seed``, so a failing run can be replayed.
+
+A topology (``prefill_tp`` and ``decode_tp`` ranks of one prefill and one decode server, ``kv_heads``
+of ``head_bytes`` each split between the ranks, page sizes per role) runs each rank as its own
+process with a :class:`~kvxfer.core.geometry.KVGeometry`; one prefill and one decode rank of equal
+page sizes is the plain pair, as without these options.
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ class StressConfig:
     settle_timeout: float = 60.0
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     faults: dict[str, float] = field(default_factory=dict)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    kv_heads: int = 4
+    head_bytes: int = 64
+    prefill_page_size: int | None = None  # None: page_size
+    decode_page_size: int | None = None  # None: page_size
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -78,6 +89,57 @@ class StressConfig:
             raise ConfigError("item_len must be a multiple of 8 bytes, at least 32")
         if self.prefill_pages < 1 or self.decode_pages < 1:
             raise ConfigError("pools need at least one page")
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) not in (1, 2, 4):
+                raise ConfigError(f"{name.replace('_', ' ')} must be 1, 2 or 4, got {getattr(self, name)}")
+        for name in ("page_size", "prefill_page_size", "decode_page_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be at least 1 token, got {value}")
+        small, large = sorted((self.prefill_page, self.decode_page))
+        if large % small:
+            raise ConfigError(f"page sizes {self.prefill_page} (prefill) and {self.decode_page} (decode): one must "
+                              "be a multiple of the other")
+        if not self.topology:
+            return
+        if not 1 <= self.kv_heads <= 256:
+            raise ConfigError(f"kv heads must be 1..256, got {self.kv_heads}")
+        for tp in (self.prefill_tp, self.decode_tp):
+            if self.kv_heads % tp and tp % self.kv_heads:
+                raise ConfigError(f"{self.kv_heads} KV heads cannot be split over {tp} TP ranks (one must be a "
+                                  "multiple of the other)")
+        if self.head_bytes % 8 or self.head_bytes < 32:
+            raise ConfigError(f"head bytes must be a multiple of 8, at least 32 (each cell carries the oracle's "
+                              f"32-byte header), got {self.head_bytes}")
+
+    # topology ------------------------------------------------------------------------------------
+    @property
+    def prefill_page(self) -> int:
+        return self.prefill_page_size or self.page_size
+
+    @property
+    def decode_page(self) -> int:
+        return self.decode_page_size or self.page_size
+
+    @property
+    def topology(self) -> bool:
+        """More than one rank on a side, or unequal page sizes: ranks carry geometries and the cell oracle."""
+        return self.prefill_tp > 1 or self.decode_tp > 1 or self.prefill_page != self.decode_page
+
+    @property
+    def sliced(self) -> bool:
+        """Writers and receivers do not pair page for page (unequal TP or page sizes)."""
+        return self.prefill_tp != self.decode_tp or self.prefill_page != self.decode_page
+
+    def describe_topology(self) -> str:
+        """``"prefill TP 2 -> decode TP 1, 4 KV heads x 64 B, 16/16 tokens per page"`` ("" for the plain pair)."""
+        if not self.topology:
+            return ""
+        return (f"prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}, {self.kv_heads} KV heads x "
+                f"{self.head_bytes} B, {self.prefill_page}/{self.decode_page} tokens per page")
 
     @property
     def buffers(self) -> int:
@@ -85,16 +147,16 @@ class StressConfig:
 
     @property
     def max_context(self) -> int:
-        return self.context or self.decode_pages * self.page_size
+        return self.context or self.decode_pages * self.decode_page
 
     @property
     def prefill_tokens(self) -> int:
-        return self.prefill_pages * self.page_size
+        return self.prefill_pages * self.prefill_page
 
     @property
     def unsafe_band(self) -> tuple[int, int] | None:
         """Prompt lengths that pass the context check but cannot fit the prefill pool."""
-        low, high = self.prefill_tokens + 1, min(self.max_context, self.decode_pages * self.page_size)
+        low, high = self.prefill_tokens + 1, min(self.max_context, self.decode_pages * self.decode_page)
         return (low, high) if low <= high else None
 
     def link_faults(self) -> dict[str, float]:
@@ -114,6 +176,8 @@ class RequestPlan:
     chunks: int
     decode_first: bool = False
     disconnect_at: int = 0  # client_disconnect: 0 after prefill admission, 1 after decode's, 2 mid-transfer
+    prefill_rank: int = 0  # kill_sender: the prefill rank killed
+    decode_rank: int = 0  # abort_mid_transfer: the decode rank the abort starts on
 
 
 class Workload:
@@ -123,6 +187,7 @@ class Workload:
         self.config = config
         self._rng = random.Random(config.seed)
         self._np = np.random.default_rng(config.seed)
+        self._ranks = random.Random(f"ranks-{config.seed}")  # its own stream: the plain pair's draws stay as they were
         self._count = 0
 
     def next(self) -> RequestPlan:
@@ -161,4 +226,6 @@ class Workload:
             chunks=chunks,
             decode_first=self._rng.random() < 0.5,
             disconnect_at=self._rng.randrange(3),
+            prefill_rank=self._ranks.randrange(cfg.prefill_tp),
+            decode_rank=self._ranks.randrange(cfg.decode_tp),
         )

@@ -1108,8 +1108,9 @@ class Sender:
         if req.fsm.terminal:
             return
         for leg in req.legs:
-            for batch in leg.batches:
-                batch.cancelled = True
+            if not leg.quiescent:  # writes not sent yet are dropped (a queued DONE then becomes an ABORT)
+                for batch in leg.batches:
+                    batch.cancelled = True
             if leg is not culprit and not leg.null and not leg.done_posted and leg.alive:
                 leg.owes = m.Abort
         req.error = error

@@ -184,13 +184,26 @@ class Cluster:
                                         ("prefill2", self.prefill2_metrics, 2, "prefill")):
             states = ("reserved", "written", "quarantined") + (("readable",) if role == "prefill" else ())
             for rank in range(ranks):
-                if name == "prefill" and self.prefill.process is not None and self.prefill.process.poll() is not None:
-                    continue  # killed (test_d) and not restarted yet
+                server = {"decode": self.decode, "decode2": self.decode2, "prefill": self.prefill,
+                          "prefill2": self.prefill2}[name]
+                if server.process is None or server.process.poll() is not None:
+                    continue  # retired (the unequal-TP servers) or killed and not restarted yet (test_d)
                 pages = self.pages(base + rank)
                 held.update({f"{name}.{rank}_{s}": pages.get(s, 0) for s in states})
         return held
 
+    def retire_unequal_tp(self) -> None:
+        """Stop the servers only the unequal-TP and refusal tests use: idle SGLang servers still take
+        CPU, and on two cores a prefill restarted beside them (test_d) took five minutes to start."""
+        extras = [*self.routers.values(), self.odd_router, self.prefill2, self.decode2, self.odd]
+        for server in extras:
+            server.kill(signal.SIGTERM)
+        for server in extras:
+            server.stop()
+
     def stop(self) -> None:
+        for server in self.servers:  # all at once: each then gets its grace period in parallel
+            server.kill(signal.SIGTERM)
         for server in reversed(self.servers):
             server.stop()
 
@@ -323,6 +336,7 @@ def test_c3_a_decode_that_refuses_the_prefill_answers_through_the_router_at_once
     status, out = cluster.generate(cluster.router_port, PROMPTS[1])
     assert status == 200, out
     assert not any(_wait_no_transfer_holds(cluster).values())
+    cluster.retire_unequal_tp()  # the tests below use the TP 1 pair only
 
 
 def test_e_a_client_that_disconnects_mid_request_leaves_no_pages_held(cluster):

@@ -123,3 +123,50 @@ def test_bench_unequal_tp_case_moves_the_same_bytes_and_reports_its_ratio(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--tp", "1:2"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "prefill TP 2, 4 or 8 into decode TP 1" in bad.stderr
+
+
+def test_bench_first_request_reports_cold_peered_ahead_and_steady_apart_from_the_handshake(tmp_path):
+    """``--first-request``: fresh decodes meet one prefill on every transport here; the report puts the
+    first request cold (peering on demand) and after peering ahead beside steady state, p50 and p99,
+    the handshake in a column of its own, the ratios of one run, and verbs skipped by name where absent.
+    Nothing here judges a time: the numbers only have to be there and be positive."""
+    from kvxfer.transport import registry
+
+    out = tmp_path / "first.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--first-request", "--decodes", "2",
+                           "--steady", "2", "--request-bytes", "256K", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    expected = [name for name in registry.names() if registry.available(name)[0]]
+    assert {"tcp", "shm"} <= set(expected)
+    rows = {r["transport"]: r for r in report["first_request"]}
+    assert sorted(rows) == sorted(expected) and report["failed"] == []
+    for name, r in rows.items():
+        assert (r["page_bytes"], r["request_pages"], r["request_bytes"], r["checks"]) == (65536, 4, 256 << 10, "on")
+        assert r["latency_from"] == "caller-decides-to-decode-READABLE"
+        assert (r["handshake"]["n"], r["cold"]["n"], r["ahead"]["n"], r["steady"]["n"]) == (2, 1, 1, 4)
+        for column in ("handshake", "cold", "ahead", "steady"):
+            assert 0 < r[column]["p50_s"] <= r[column]["p99_s"], (name, column, r[column])
+        for column in ("cold", "ahead", "steady"):  # phases in order, from the caller's decision
+            phases = r[column]["phases_p50_s"]
+            assert 0 < phases["admitted"] <= phases["destination"] <= phases["posted"], (name, column, phases)
+        assert r["cold"]["phases_p50_s"]["admitted"] > 0 and r["rpc_round_trip"]["p50_s"] > 0
+        assert all(r["ratios"][key] > 0 for key in ("ahead_over_steady_p50", "cold_over_steady_p50",
+                                                     "ahead_paired_median", "cold_paired_median"))
+        assert isinstance(r["first_request_pays_no_handshake"], bool)
+        text = " ".join(proc.stdout.split())
+        assert (f"{name} 65,536 B pages (checks on): handshake (connect(), reported apart) "
+                f"p50 {1e3 * r['handshake']['p50_s']:.2f} ms") in text
+        assert f"first after peering / steady p50 {r['ratios']['ahead_over_steady_p50']:.2f}x" in text
+        assert f"cold / steady p50 {r['ratios']['cold_over_steady_p50']:.2f}x" in text
+        assert f"{name} 65,536 B pages: first request after peering p50" in text
+    header = next(line for line in proc.stdout.splitlines() if "handshake (connect)" in line)
+    for column in ("handshake (connect)", "cold (connect + request)", "first after peering", "steady",
+                   "ahead / steady p50", "cold / steady p50"):
+        assert column in header
+    assert "\"First request pays no handshake\": with the decode peered ahead" in " ".join(proc.stdout.split())
+    skipped = {s["case"]: s["reason"] for s in report["skipped"]}
+    for name in set(registry.names()) - set(expected):  # verbs without pyverbs or a device: one line naming it
+        assert name in skipped and f"{name}: skipped, {skipped[name]}" in " ".join(proc.stdout.split())
+    assert "FAILED" not in proc.stdout and "Error" not in proc.stdout

@@ -9,7 +9,9 @@ waits for their destinations and posts them. Each keeps up to ``concurrency`` re
 The decode half's clock, from its first admission to its last readable request, is the measurement:
 every check (coverage, byte counts, checksum) has run by then. Each request's latency is measured
 on the decode side from its admission to the moment it became READABLE (verified), not to when
-the loop noticed it.
+the loop noticed it; the decode half also returns each moment itself (``readable_at``, its
+``time.monotonic()``, the clock every process of the host shares), so a driver can time a request
+from a moment of its own (``kvxfer bench --first-request``: from before the peering).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
     nbytes = 0
     start = None
     latencies: list[float] = []
+    readable_at: list[float] = []
 
     def finish_one() -> None:
         nonlocal failed, nbytes
@@ -48,6 +51,7 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
             nbytes += engine.layout.bytes_for_pages(len(req.pages))
             if req.readable_at is not None:
                 latencies.append(req.readable_at - req.created)
+                readable_at.append(req.readable_at)
             engine.release(rid)
         else:
             failed += 1
@@ -63,7 +67,7 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
         finish_one()
     seconds = time.perf_counter() - (start or time.perf_counter())
     return {"seconds": seconds, "bytes": nbytes, "failed": failed, "requests": len(requests),
-            "latencies": latencies}
+            "latencies": latencies, "readable_at": readable_at}
 
 
 def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:

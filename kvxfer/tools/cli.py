@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -175,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also move the same bytes with prefill TP P (2, 4 or 8) into decode TP 1: P prefill "
                        "processes each writing its heads' slice of every decode page (NHD, 8 KV heads), reported "
                        "against the equal-TP case as a ratio (default: not run)")
+    bench.add_argument("--first-request", action="store_true",
+                       help="instead of throughput: the first request to fresh decodes, cold (peering on demand) "
+                       "and peered ahead, against steady state and the handshake itself, on every transport "
+                       "this machine runs unless --transport names one (checks on unless --checks off; "
+                       "page default 64K)")
+    bench.add_argument("--decodes", type=int, default=16, help="--first-request: fresh decode processes (at least 2)")
+    bench.add_argument("--steady", type=int, default=8, help="--first-request: steady requests per decode")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 
@@ -262,7 +270,14 @@ def _bench(args: argparse.Namespace) -> int:
         baselines=args.baselines.split(",") if args.baselines else defaults.baselines,
         compare_windows=args.compare_windows,
         tp=args.tp,
+        first_request=args.first_request,
+        first_request_decodes=max(2, args.decodes),
+        first_request_steady=max(1, args.steady),
+        # a transport named by the flag or KVXFER_TRANSPORT: that one; else every transport here
+        first_request_transports=[transport] if args.transport or os.environ.get("KVXFER_TRANSPORT") else None,
     )
+    if args.first_request and not args.page_bytes:
+        config.page_sizes = [65536]
     if config.tp:
         from ..errors import ConfigError
         from .bench.tp import parse_tp, tp_shape

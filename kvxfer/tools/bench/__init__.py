@@ -8,8 +8,10 @@ installed, Mooncake's and NIXL's TCP paths for tcp; a single-threaded scattered 
 pages for shm (:mod:`.baselines`). A baseline that is not installed gets one line saying what to
 install, no row and no ratio, and is listed under ``skipped`` in the JSON. ``--tp P:1`` adds, per page
 size and checks setting, the same transfer with prefill TP ``P`` into decode TP 1 (:mod:`.tp`), reported
-as a ratio against the equal-TP case (unequal / equal). Speed targets are judged on the printed
-ratios, never by timed unit tests.
+as a ratio against the equal-TP case (unequal / equal). ``--first-request`` measures instead what the
+first request to a fresh decode pays, cold (peering on demand) and peered ahead, next to steady state
+and the handshake itself (:mod:`.first`). Speed targets are judged on the printed ratios, never by
+timed unit tests.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);
 a stop signal closes every session that was started, without the closing measurements.
@@ -64,8 +66,14 @@ def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
 
 def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     """Every case of a page size runs in interleaved rounds (a warm-up round first, not counted), so
-    that drift on a noisy machine hits all of them alike; the median round is reported."""
+    that drift on a noisy machine hits all of them alike; the median round is reported.
+    ``config.first_request``: the first-request report instead (:mod:`.first`)."""
     import tempfile
+
+    if config.first_request:
+        from .first import run_first_request
+
+        return run_first_request(config, json_path=json_path)
 
     from rich.console import Console
     from rich.table import Table

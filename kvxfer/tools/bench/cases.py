@@ -39,6 +39,11 @@ class BenchConfig:
     total_bytes_small_pages: int | None = None
     compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
     tp: str | None = None  # "P:1": also prefill TP P into decode TP 1, its own case (kvxfer.tools.bench.tp)
+    # --first-request (kvxfer.tools.bench.first): first request to fresh decodes against steady state
+    first_request: bool = False
+    first_request_decodes: int = 16  # fresh decode processes, cold and peered ahead in turn
+    first_request_steady: int = 8  # steady requests on each pair after its first
+    first_request_transports: list[str] | None = None  # None: every registered transport this machine runs
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """What the frame-stream links share (tcp and shm): job kinds, the posting queue, fault injection on
 a frame, and keeping the item checksums taken while sending.
 
-A :class:`FrameLink` has one sending thread that takes jobs in posting order: a write batch, an
-ordered message (DONE and the drain proofs) or raw frame bytes. Subclasses own the byte pipe (a
-socket, a shared ring) and implement ``_run``; this class owns the rules both keep:
+A :class:`FrameLink` sends its jobs in posting order from one thread at a time (its own, shm; or a
+lane of the transport's :class:`~kvxfer.transport.lanes.SendLanes`, tcp): a write batch, an ordered
+message (DONE and the drain proofs) or raw frame bytes. Subclasses own the byte pipe (a socket, a
+shared ring) and how they are served (``_kick``); this class owns the rules both keep:
 
 * posting after the link ended or started closing raises :class:`TransportError`;
 * every write job is reported exactly once through its ``on_complete``, as sent or as failed,
@@ -100,7 +101,7 @@ class FrameLink(SenderLink):
             if not self._alive or self._closing:
                 raise TransportError(f"data connection {self.conn_id} to {self.address} is closed")
             self._queue.append(job)
-            self._cond.notify()
+            self._kick()
 
     def _begin_close(self, flush: bool) -> None:
         """Stop taking jobs; without ``flush`` the queued write batches are dropped unsent."""
@@ -111,9 +112,14 @@ class FrameLink(SenderLink):
                     for job in self._queue:
                         if isinstance(job, WriteJob):
                             job.batch.cancelled = True
-                self._cond.notify_all()
+                self._kick()
         if self.faults is not None:
             self.faults.resume()
+
+    def _kick(self) -> None:
+        """Under ``_cond``: there is something to do (a job, or closing). A link with its own thread
+        wakes it; a link served by :class:`~kvxfer.transport.lanes.SendLanes` schedules a step."""
+        self._cond.notify_all()
 
     # the sending thread -------------------------------------------------------------------------------
     def _send_batch_frames(self, job: WriteJob, cuts: Iterable[FrameCut],

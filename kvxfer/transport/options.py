@@ -19,6 +19,15 @@ class TcpOptions:
     # "host": send and land host pages through the staging buffers GPU pages use (tests and
     # diagnostics of that pipeline on machines without a GPU); None: only GPU pages are staged
     staging: str | None = field(default=None, metadata={"env": "KVXFER_TCP_STAGING", "choices": (None, "host")})
+    # threads that send for every data connection of a prefill (one link is served by one at a time):
+    # threads do not grow with peers; this many receivers that stop reading can stall sends at once
+    send_threads: int = field(default=8, metadata={"env": "KVXFER_TCP_SEND_THREADS"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.send_threads, int) or self.send_threads < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"tcp option 'send_threads' must be a positive integer, not {self.send_threads!r}")
 
 
 @dataclass

@@ -16,9 +16,11 @@ accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENO
 exponential backoff and reported (``on_event("accept_error")``); only :meth:`TcpReceiver.close` ends
 the accept thread.
 
-The sending side (:class:`TcpLink`) runs a thread per connection that turns write batches into
-frames (gather ``sendmsg`` from the source pages) and reports completions; a batch whose request
-was aborted before its turn is dropped unsent and reported complete-but-failed.
+The sending side (:class:`TcpLink`) turns write batches into frames (gather ``sendmsg`` from the
+source pages) and reports completions; a batch whose request was aborted before its turn is dropped
+unsent and reported complete-but-failed. Links have no thread of their own: the transport's
+:class:`~kvxfer.transport.lanes.SendLanes` (``send_threads`` of them, 8 by default) serve every link a
+step at a time, and its watcher ends a link whose receiver closed its end as soon as that happens.
 
 Frames carry at most :func:`frame_limit` payload bytes (the size of a staging buffer: 32 MiB, or one
 item when an item is larger; both ends compute it from their compatible layouts), whatever the
@@ -66,7 +68,8 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import TICK, FrameLink, OrderedJob, WriteJob
+from .framed import FrameLink, OrderedJob, WriteJob
+from .lanes import DEFAULT_THREADS, SendLanes
 from .options import TcpOptions
 from .staging import Staging, copy_engine, packed_offsets
 
@@ -671,7 +674,7 @@ def _close_quietly(sock: socket.socket) -> None:
 
 
 class TcpLink(FrameLink):
-    """One data connection to one receiver, with its own sending thread."""
+    """One data connection to one receiver, served by the transport's sending lanes (no thread of its own)."""
 
     def __init__(
         self,
@@ -680,6 +683,7 @@ class TcpLink(FrameLink):
         *,
         connect: m.Connect,
         on_closed: Callable[[TcpLink, str], None],
+        lanes: SendLanes,
         faults: FaultInjector | None = None,
         timeout: float = 10.0,
         checksum: Any = None,
@@ -688,6 +692,11 @@ class TcpLink(FrameLink):
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
         self.layout = layout
         self.address = address
+        self._lanes = lanes
+        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
+        self._serving: threading.Thread | None = None  # the lane serving a step now
+        self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
+        self._ended = threading.Event()
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -705,55 +714,77 @@ class TcpLink(FrameLink):
         self._sock.settimeout(None)
         _tune(self._sock)
         send_all(self._sock, [f.message_frame(f.FrameKind.CONNECT, m.encode(connect))])
-        self._thread = threading.Thread(target=self._run, name="kvxfer-tcp-send", daemon=True)
-        self._thread.start()
+        lanes.watch(self._sock, self)
 
-    # the sending thread ------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        reason = "closed"
+    # scheduling on the lanes ---------------------------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self._scheduled and not self._ended.is_set():
+            self._scheduled = True
+            self._lanes.ready(self)
+
+    def wake(self) -> None:
+        with self._cond:
+            if self._queue or self._closing or (self.faults is not None and self.faults.next_due() is not None):
+                self._kick()
+
+    def peer_closed(self, reason: str) -> None:
+        with self._cond:
+            self._lost = reason
+            self._kick()
+
+    def serve_step(self) -> None:
+        """One step on a lane: the next job, the end of a closing link with nothing queued, or (fault
+        injection) the late frames that fell due; then back on the ready queue if there is more."""
+        self._serving = threading.current_thread()
         try:
-            while True:
-                job = self._next_job()
-                if self.faults is not None:
-                    self.faults.wait_if_paused()
-                    for frame in self.faults.due_late():
-                        send_all(self._sock, frame)
-                if job is None:
-                    break
-                if job is TICK:
-                    continue
-                if isinstance(job, WriteJob):
-                    self._send_batch(job)
-                elif isinstance(job, OrderedJob):
-                    msg = job.msg() if callable(job.msg) else job.msg
-                    frame = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
-                    send_all(self._sock, [frame])
-                else:
-                    send_all(self._sock, job.frame)
-                self.frames_sent += 1
+            self._step()
         except OSError as exc:
-            reason = f"connection lost: {exc}"
+            self._end(f"connection lost: {exc}")
         except KvxferError as exc:  # a failing staging copy (GPU): the connection cannot go on
             reason = f"staging failed: {exc}"
             log.error("data connection to %s: %s", self.address, reason)
+            self._end(reason)
+        except BaseException as exc:
+            self._end(f"sending failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
-            self._shutdown(reason)
-
-    def _next_job(self) -> Any:
-        """The next job; ``TICK`` when a held late frame fell due; None when closing."""
+            self._serving = None
         with self._cond:
-            while not self._queue:
-                if self._closing:
-                    return None
-                due = self.faults.next_due() if self.faults is not None else None
-                if due is None:
-                    self._cond.wait()
-                else:
-                    wait = due - time.monotonic()
-                    if wait <= 0:
-                        return TICK
-                    self._cond.wait(wait)
-            return self._queue.popleft()
+            self._scheduled = False
+            if self._ended.is_set():
+                return
+            if self._queue or self._closing or self._lost:
+                self._kick()
+                return
+            due = self.faults.next_due() if self.faults is not None else None
+        if due is not None:
+            self._lanes.wake_at(self, due)
+
+    def _step(self) -> None:
+        if self._lost is not None:
+            self._end(self._lost)
+            return
+        if self.faults is not None:
+            self.faults.wait_if_paused()
+            for frame in self.faults.due_late():
+                send_all(self._sock, frame)
+        with self._cond:
+            job = self._queue.popleft() if self._queue else None
+            finish = job is None and self._closing
+        if finish:
+            self._end("closed")
+            return
+        if job is None:
+            return
+        if isinstance(job, WriteJob):
+            self._send_batch(job)
+        elif isinstance(job, OrderedJob):
+            msg = job.msg() if callable(job.msg) else job.msg
+            frame = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
+            send_all(self._sock, [frame])
+        else:
+            send_all(self._sock, job.frame)
+        self.frames_sent += 1
 
     def _send_batch(self, job: WriteJob) -> None:
         job.batch.wait_sources()
@@ -833,7 +864,11 @@ class TcpLink(FrameLink):
             send_all(self._sock, [header, runs, *payload])
         self.bytes_sent += size
 
-    def _shutdown(self, reason: str) -> None:
+    def _end(self, reason: str) -> None:
+        """The link ends (on the lane serving it): queued writes fail, the socket closes, once."""
+        if self._ended.is_set():
+            return
+        self._lanes.unwatch(self._sock)
         self._fail_queued()
         try:
             self._sock.close()
@@ -844,20 +879,21 @@ class TcpLink(FrameLink):
                 self._staging.close()
             except KvxferError as exc:
                 log.error("data connection to %s: releasing staging buffers: %s", self.address, exc)
+        with self._cond:
+            self._ended.set()
         self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
         """Stop the link. With ``flush`` queued frames are sent first; idempotent."""
         self._begin_close(flush)
-        pending_thread = self._thread
-        if pending_thread is not threading.current_thread():
-            pending_thread.join(timeout=10)
-        if pending_thread.is_alive():
+        if self._serving is threading.current_thread():
+            return  # called back from this link's own step (on_closed): it ends when the step returns
+        if not self._ended.wait(10):
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.shutdown(socket.SHUT_RDWR)  # a lane blocked sending to a peer that stopped reading
             except OSError:
                 pass
-            pending_thread.join(timeout=5)
+            self._ended.wait(5)
 
     def abort_connection(self) -> None:
         """Drop the connection at once (a crashed writer), without flushing."""
@@ -873,16 +909,21 @@ class TcpTransport(SenderTransport):
     name = "tcp"
     capabilities = CAPABILITIES
 
-    def __init__(self, layout: KVLayout, *, checksum: Any = None, staging: str | None = None) -> None:
+    def __init__(self, layout: KVLayout, *, checksum: Any = None, staging: str | None = None,
+                 send_threads: int = DEFAULT_THREADS) -> None:
         self.layout = layout
         self.checksum = checksum
         self.staging = staging
+        self.lanes = SendLanes("tcp", threads=send_threads)
 
     def connect(self, request: LinkRequest) -> TcpLink:
         address = decode_offer(request.blob)
         connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
         return TcpLink(self.layout, address, connect=connect, on_closed=request.on_closed, faults=request.faults,
-                       checksum=self.checksum, staging=self.staging)
+                       checksum=self.checksum, staging=self.staging, lanes=self.lanes)
+
+    def close(self) -> None:
+        self.lanes.close()
 
 
 def _options(config: Any) -> TcpOptions:
@@ -898,7 +939,8 @@ def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverH
 
 
 def _sender(layout: KVLayout, config: Any) -> TcpTransport:
-    return TcpTransport(layout, checksum=config.checksum, staging=_options(config).staging)
+    options = _options(config)
+    return TcpTransport(layout, checksum=config.checksum, staging=options.staging, send_threads=options.send_threads)
 
 
 TRANSPORT = TransportFactory(

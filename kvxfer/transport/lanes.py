@@ -1,0 +1,182 @@
+"""Sending lanes: a fixed set of threads that serve every link of one sender transport.
+
+A link used to own a sending thread, so a prefill peered with 512 decodes held 512 threads. Now a
+link owns only its queue: when it has work it is put on the lanes' ready queue, a lane runs one
+step of it (:meth:`Served.serve_step`: one job, or its end), and the link puts itself back behind
+the others if it has more. Threads do not grow with peers, and no peer waits for another's whole
+queue. A link with a timed wake-up (a late frame held by fault injection) is woken then.
+
+One watcher thread polls the sockets of every watched link for the receiver closing its end (EOF or
+a reset: the decode's engine or process is gone, or it fenced the connection) and tells the link at
+once (:meth:`Served.peer_closed`), so a dead peer's link ends without waiting for a write to fail.
+
+A lane blocked on one link's socket (a receiver that stopped reading) holds that lane until the link
+is closed (the peer declared dead, the link closed: a closer shuts the socket down, which unblocks
+the send); the other lanes keep serving. ``threads`` bounds how many such links can stall at once.
+
+Invariants: a link is in the ready queue at most once and served by at most one lane at a time, so
+its jobs stay in posting order (the link keeps that flag under its own lock, and never holds the
+lanes' lock while calling them back); :meth:`SendLanes.close` ends every thread it started and is
+idempotent; an exception in a step ends only that link (the link reports it), never a lane.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Any, Protocol
+
+log = logging.getLogger("kvxfer.lanes")
+
+DEFAULT_THREADS = 8
+
+
+class Served(Protocol):
+    """What a link served by lanes provides."""
+
+    def serve_step(self) -> None:
+        """Run one step (one job, or the link's end); reschedule itself if it has more."""
+
+    def wake(self) -> None:
+        """A timed wake-up fell due: schedule a step if there is something to do."""
+
+    def peer_closed(self, reason: str) -> None:
+        """The watcher saw the receiver close its end of the socket."""
+
+
+class SendLanes:
+    """``threads`` sending threads and one watcher thread, shared by the links of one transport."""
+
+    def __init__(self, name: str, *, threads: int = DEFAULT_THREADS) -> None:
+        if threads <= 0:
+            raise ValueError("a transport needs at least one sending thread")
+        self.name = name
+        self._cond = threading.Condition()
+        self._ready: collections.deque[Served] = collections.deque()
+        self._timers: list[tuple[float, int, Served]] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._selector = selectors.DefaultSelector()
+        self._watch_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._lane, name=f"kvxfer-{name}-send-{i}", daemon=True)
+                         for i in range(threads)]
+        self._watcher = threading.Thread(target=self._watch_loop, name=f"kvxfer-{name}-watch", daemon=True)
+        for thread in self._threads:
+            thread.start()
+        self._watcher.start()
+
+    # scheduling ------------------------------------------------------------------------------------
+    def ready(self, link: Served) -> None:
+        """Put ``link`` on the ready queue (its caller guarantees it is not there already)."""
+        with self._cond:
+            self._ready.append(link)
+            self._cond.notify()
+
+    def wake_at(self, link: Served, when: float) -> None:
+        """Call ``link.wake()`` at monotonic time ``when``."""
+        with self._cond:
+            heapq.heappush(self._timers, (when, next(self._seq), link))
+            self._cond.notify()
+
+    def _next(self) -> Served | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    due = heapq.heappop(self._timers)[2]
+                    self._cond.release()
+                    try:
+                        due.wake()  # takes the link's lock, may call ready(): not under ours
+                    finally:
+                        self._cond.acquire()
+                if self._ready:
+                    return self._ready.popleft()
+                wait = self._timers[0][0] - now if self._timers else None
+                self._cond.wait(wait)
+
+    def _lane(self) -> None:
+        while True:
+            link = self._next()
+            if link is None:
+                return
+            try:
+                link.serve_step()
+            except Exception:  # a link reports its own failures; a lane never dies of one
+                log.exception("%s: a sending step failed", self.name)
+
+    # watching sockets ---------------------------------------------------------------------------
+    def watch(self, sock: socket.socket, link: Served) -> None:
+        with self._watch_lock:
+            if not self._closed:
+                self._selector.register(sock, selectors.EVENT_READ, link)
+
+    def unwatch(self, sock: socket.socket) -> None:
+        """Stop watching ``sock`` (before it is closed)."""
+        with self._watch_lock:
+            try:
+                self._selector.unregister(sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _watch_loop(self) -> None:
+        while not self._closed:
+            with self._watch_lock:
+                empty = not self._selector.get_map()
+            if empty:
+                time.sleep(0.05)
+                continue
+            try:
+                events = self._selector.select(0.05)
+            except (OSError, ValueError):
+                time.sleep(0.01)
+                continue
+            for key, _ in events:
+                reason = self._closed_reason(key.fileobj)
+                if reason is None:
+                    continue
+                self.unwatch(key.fileobj)
+                try:
+                    key.data.peer_closed(reason)
+                except Exception:  # pragma: no cover - a link reports its own failures
+                    log.exception("%s: reporting a closed connection failed", self.name)
+
+    @staticmethod
+    def _closed_reason(sock: Any) -> str | None:
+        """Why a readable sending socket is readable: the receiver closed it (the receiver never sends on
+        a data connection), or None if there is nothing (a spurious wake-up)."""
+        try:
+            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            return f"the receiver's end failed: {exc}"
+        if not data:
+            return "the receiver closed the connection"
+        return "the receiver sent bytes on a data connection (it never does)"
+
+    # lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+        with self._watch_lock:
+            self._selector.close()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)

@@ -201,6 +201,13 @@ class PeerError(KvxferError):
     code = "peer"
 
 
+class NotPeered(PeerError):
+    """A message from an engine this one holds no peering with (never had one, or forgot it): the
+    sender must HELLO again."""
+
+    code = "not_peered"
+
+
 class TransportError(KvxferError):
     """The transport could not do what was asked (connect, post, fence)."""
 
@@ -237,6 +244,7 @@ ERROR_CLASSES: dict[str, type[KvxferError]] = {
         TransferAborted,
         ProtocolError,
         PeerError,
+        NotPeered,
         TransportError,
         EngineClosed,
     )

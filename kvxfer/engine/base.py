@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.layout import KVLayout
 from ..core.pool import PagePool, check_capacity
-from ..errors import ConfigError, EngineClosed, KvxferError, PeerError, ProtocolError, TransportError
+from ..errors import ConfigError, EngineClosed, KvxferError, NotPeered, PeerError, ProtocolError, TransportError
 from ..transport import registry
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
@@ -180,6 +180,9 @@ class EngineBase:
             # a peer's word about something we sent (both roles): counted, and logged rate limited,
             # since a peer can answer every message it gets, and provoke them
             self.counters["peer_errors"] += 1
+            if msg.code == NotPeered.code:
+                self._on_not_peered(identity, msg)
+                return
             self._warn(log, f"{identity}/{msg.about}/{msg.code}", "%s: peer %s reports about %s: %s",
                        self.engine_id, identity, msg.about, msg.detail)
             return
@@ -229,6 +232,10 @@ class EngineBase:
         raise NotImplementedError
 
     def _note_alive(self, identity: str) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _on_not_peered(self, identity: str, msg: m.Error) -> None:  # pragma: no cover - overridden
+        """Peer ``identity`` says it holds no peering with this engine (it forgot this one)."""
         raise NotImplementedError
 
     def _peer_address(self, identity: str) -> str | None:  # pragma: no cover - overridden

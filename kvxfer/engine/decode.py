@@ -327,6 +327,35 @@ class DecodeEngine(EngineBase):
             if info.conn is not None:
                 self.fence(info.conn, f"peer {info.engine} dead (silent for {now - info.last_seen:.1f} s)")
 
+    def _on_not_peered(self, identity: str, msg: m.Error) -> None:
+        """The prefill says it holds no peering with this engine (it forgot it): peer again."""
+        self._repeer(identity, f"it holds no peering with this engine: {msg.detail[:200]}")
+
+    def _repeer(self, identity: str, why: str) -> None:
+        """Prefill ``identity`` forgot this engine: its data connection is fenced at once (nothing more
+        lands; its requests settle), and a HELLO goes to its address again with nobody waiting for the
+        answer, so the peering comes back by itself. At most once a second per peer."""
+        now = time.monotonic()
+        with self.lock:
+            info = self.receiver.peers.get(identity)
+            if info is None or self._closed or now < info.repeer_after:
+                return
+            info.repeer_after = now + 1.0
+            info.ready = False
+            conn = info.conn
+            session = secrets.token_bytes(16)
+            self._pending_hello[session] = {"address": info.control, "error": None, "peer": None,
+                                            "detached_until": now + max(self.config.peer_timeout, 60.0)}
+            hello = self._hello(session)
+            self.receiver.changed.notify_all()
+        self._event("repeer", counter="repeers", peer=identity[:200], why=why[:500])
+        if conn is not None:
+            self.fence(conn, f"prefill {identity}: {why}", offer=False)
+        try:
+            self.control.send(info.control, hello)
+        except PeerError as exc:
+            self._warn(log, identity, "%s: cannot HELLO %s again: %s", self.engine_id, identity, exc)
+
     def _heartbeat(self) -> None:
         self._hb_seq += 1
         for peer in list(self.receiver.peers):

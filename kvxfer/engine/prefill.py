@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -12,7 +14,7 @@ import numpy as np
 
 from ..core.layout import KVLayout
 from ..core.lifecycle import SenderState
-from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, TransferFailed, TransportError
+from ..errors import ConfigError, InvalidArgument, NotPeered, PeerError, ProtocolError, TransferFailed, TransportError
 from ..transport.base import LinkRequest, SenderLink, SenderTransport
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
@@ -23,6 +25,8 @@ from .sender import Sender, SendRequest
 log = logging.getLogger("kvxfer.engine")
 # what a refused HELLO says to a peer the keyring did not authenticate (the reason is in this engine's log)
 HELLO_REFUSED = "peering refused by the prefill engine (its log says why)"
+CONNECT_THREADS = 4  # threads opening data connections for every peer
+RECEIVER_CLOSED = "the receiver"  # how a link's end reads when the decode closed its end (lanes' watcher)
 
 @dataclass
 class _Peer:
@@ -36,9 +40,10 @@ class _Peer:
     link: SenderLink | None = None
     epoch: int = 0  # newest epoch offered by the decode (its link, once open, has this epoch)
     pending_offer: m.Offer | None = None  # the newest offer not yet taken by the connector
-    connector: threading.Thread | None = None  # opens links off the control thread, one per peer
+    connector: bool | None = None  # True while a connecting job (on the engine's pool) runs for this peer
     last_seen: float = 0.0
     alive: bool = True
+    link_lost_at: float = 0.0  # when the decode closed its end of our link (forgotten unless heard from soon)
 
 
 class PrefillEngine(EngineBase):
@@ -64,6 +69,16 @@ class PrefillEngine(EngineBase):
         # decodes whose HELLO was refused for what they are -> until when their REJECTs are taken (oldest first)
         self.refused_peers: dict[str, float] = {}
         self._next_retain = 0.0  # when _tick next closes control sockets no peer uses
+        # a peer whose link the decode closed is forgotten when nothing came from it for this long (a live
+        # decode that fenced offers anew at once, and heartbeats every heartbeat_interval)
+        self._lost_grace = 2 * config.heartbeat_interval + 0.5
+        # peers forgotten lately -> (their control address, when they may next be told so): a message from
+        # one is answered NOT_PEERED there (at most once a second), so a decode that missed it peers again
+        self._forgotten: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
+        # opens links off the control thread (a connect may take seconds, and a peer can point it anywhere):
+        # a few threads for every peer, not one per peer
+        self._connectors = concurrent.futures.ThreadPoolExecutor(max_workers=CONNECT_THREADS,
+                                                                 thread_name_prefix="kvxfer-prefill-connect")
         self.transport: SenderTransport = self._open_transport(lambda: self.transport_factory.sender(layout, config))
         self._start()
 
@@ -79,7 +94,8 @@ class PrefillEngine(EngineBase):
                 # so their prefill half fails at once instead of waiting for a destination
                 self.sender.on_reject(identity, msg)
                 return
-            raise PeerError(f"{msg.TYPE} from {identity!r}, which is not a peer")
+            self._tell_forgotten(identity, msg)
+            raise NotPeered(f"{msg.TYPE} from {identity!r}, which is not a peer")
         if self.hooks.drop_message(msg):
             return
         if isinstance(msg, m.Offer):
@@ -135,6 +151,7 @@ class PrefillEngine(EngineBase):
             peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, page_size=msg.page_size,
                          geometry=msg.geometry, epoch=old.epoch if old else 0, last_seen=time.monotonic())
             self.peers[identity] = peer
+            self._forgotten.pop(identity, None)
         if old is not None and old.control != peer.control:
             self._release_control(old.control)  # peering again from another address: the old socket goes
         if old is not None and old.link is not None:
@@ -167,14 +184,18 @@ class PrefillEngine(EngineBase):
 
     # the peer table ------------------------------------------------------------------------------------
     def _make_room(self, identity: str) -> str:
-        """Room in the peer table for ``identity``: "" when there is (if the table is full, the peer
-        silent longest is forgotten, provided it is silent past ``peer_timeout``), else why not."""
+        """Room in the peer table for ``identity``: "" when there is (if the table is full, the peer silent
+        longest is forgotten, provided it is gone: silent past ``peer_timeout``, or its decode closed our
+        link and has said nothing since), else why not."""
         now = time.monotonic()
         with self.lock:
             if identity in self.peers or len(self.peers) < self.config.max_peers:
                 return ""
-            silent = [p for p in self.peers.values() if now - p.last_seen > self.config.peer_timeout]
-            victim = min(silent, key=lambda p: p.last_seen) if silent else None
+            # gone: its link closed by the decode and nothing heard since, or silent past peer_timeout
+            gone = [p for p in self.peers.values()
+                    if (p.link is None and p.link_lost_at and p.last_seen < p.link_lost_at)
+                    or now - p.last_seen > self.config.peer_timeout]
+            victim = min(gone, key=lambda p: p.last_seen) if gone else None
         if victim is None:
             return f"peer table full: {len(self.peers)} live peers (max_peers {self.config.max_peers})"
         self._forget_peer(victim, "its place in the full peer table was needed (max_peers)")
@@ -189,10 +210,38 @@ class PrefillEngine(EngineBase):
             del self.peers[peer.engine]
             link, peer.link = peer.link, None
             peer.pending_offer = None
+            self._forgotten.pop(peer.engine, None)
+            self._forgotten[peer.engine] = [peer.control, 0.0]
+            while len(self._forgotten) > max(1024, self.config.max_peers):
+                self._forgotten.popitem(last=False)
         if link is not None:
             self._retire(link, f"peer forgotten: {why}")
         self._release_control(peer.control)
         self._event("peer_forgotten", counter="peers_forgotten", peer=peer.engine[:200], why=why)
+
+    def _tell_forgotten(self, identity: str, msg: m.Message) -> None:
+        """A message from a peer this engine forgot: tell it at its old control address, so it peers
+        again (at most once a second per peer; strangers are not answered)."""
+        now = time.monotonic()
+        with self.lock:
+            entry = self._forgotten.get(identity)
+            if entry is None or now < entry[1]:
+                return
+            entry[1] = now + 1.0
+            address = entry[0]
+        self._event("told_not_peered", counter="told_not_peered", peer=identity[:200], message=msg.TYPE)
+        try:
+            self.control.send(address, m.Error(about=msg.TYPE, code=NotPeered.code, rid="?", gen=0,
+                                               detail=f"prefill {self.engine_id} holds no peering with "
+                                                      f"{identity}: send HELLO again"))
+        except PeerError:
+            pass
+
+    def _on_not_peered(self, identity: str, msg: m.Error) -> None:
+        """A decode says it holds no peering with this engine (it restarted or forgot us): forget it."""
+        peer = self.peers.get(identity)
+        if peer is not None:
+            self._forget_peer(peer, f"it holds no peering with this engine: {msg.detail[:200]}")
 
     def _release_control(self, address: str) -> None:
         """Close the control socket to ``address`` unless a peer still uses it."""
@@ -210,21 +259,24 @@ class PrefillEngine(EngineBase):
     def _on_offer(self, peer: _Peer, msg: m.Offer) -> None:
         """The decode offered a data connection under a new epoch: open our half (off the control
         thread: a connect may take seconds, and a peer can point it anywhere), then answer ACCEPT.
-        One connecting thread per peer at most; a newer offer supersedes one not started yet."""
+        One connecting job per peer at most; a newer offer supersedes one not started yet."""
         with self.lock:
             if msg.epoch <= peer.epoch:
                 raise PeerError(f"OFFER epoch {msg.epoch} is not after {peer.epoch}")
             old, peer.link = peer.link, None
             peer.epoch = msg.epoch
             peer.pending_offer = msg
-            connector = None
-            if peer.connector is None and not self._closed:
-                connector = peer.connector = threading.Thread(
-                    target=self._connect_loop, args=(peer,), name=f"kvxfer-{self.role}-connect", daemon=True)
+            start = peer.connector is None and not self._closed
+            if start:
+                peer.connector = True  # the job below, until it has taken every offer
         if old is not None:
             self._retire(old, "replaced by a newer data connection")
-        if connector is not None:
-            connector.start()
+        if start:
+            try:
+                self._connectors.submit(self._connect_loop, peer)  # it clears peer.connector when done
+            except RuntimeError:  # the engine is closing: the pool takes no more
+                with self.lock:
+                    peer.connector = None
 
     def _connect_loop(self, peer: _Peer) -> None:
         while True:
@@ -258,6 +310,7 @@ class PrefillEngine(EngineBase):
                 stale = False
                 peer.link = link
                 peer.alive = True
+                peer.link_lost_at = 0.0
                 self.sender.changed.notify_all()
         if stale:
             link.close(flush=False)
@@ -274,6 +327,8 @@ class PrefillEngine(EngineBase):
                 if peer.link is link:
                     peer.link = None  # the decode offers the next epoch once it knows
                     tell = None if self._closed else peer.engine
+                    if reason.startswith(RECEIVER_CLOSED):
+                        peer.link_lost_at = time.monotonic()  # a decode that is gone says nothing more
             self.sender.on_connection_closed(link, reason)
         if tell is not None:  # our end of the live connection failed: say so (verbs cannot see it)
             self._send_to_peer(tell, m.Fenced(epoch=link.epoch, reason=reason[:4000]))
@@ -321,20 +376,28 @@ class PrefillEngine(EngineBase):
                 if peer.alive and silent > self.config.peer_timeout:
                     peer.alive = False
                     dead.append(peer)
-                if silent > expiry or (not peer.alive and peer.epoch == 0 and peer.link is None
-                                       and peer.connector is None):
-                    expired.append(peer)  # silent past peer_expiry, or dead without ever offering a connection
+                lost = (peer.link is None and peer.link_lost_at and peer.last_seen < peer.link_lost_at
+                        and now - peer.link_lost_at > self._lost_grace)
+                if silent > expiry or lost or (not peer.alive and peer.epoch == 0 and peer.link is None
+                                               and peer.connector is None):
+                    # silent past peer_expiry; its link closed by the decode and nothing heard since (its
+                    # engine or process is gone); or dead without ever offering a connection
+                    expired.append(peer)
         for peer in dead:
             self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
             self._warn(log, "dead", "%s: peer %s silent: dead", self.engine_id, peer.engine)
             if peer.link is not None:
                 peer.link.close(flush=False)
         for peer in expired:
-            self._forget_peer(peer, f"silent for {now - peer.last_seen:.1f} s")
+            why = (f"it closed its data connection {now - peer.link_lost_at:.1f} s ago and has said nothing since"
+                   if peer.link_lost_at and peer.last_seen < peer.link_lost_at else
+                   f"silent for {now - peer.last_seen:.1f} s")
+            self._forget_peer(peer, why)
         if now >= self._next_retain:  # sockets to addresses no peer uses: a peer forgotten meanwhile
             self._next_retain = now + 1.0
             with self.lock:
                 addresses = {p.control for p in self.peers.values()}
+                addresses |= {e[0] for e in self._forgotten.values() if e[1] > now - 1.0}  # told just now
             self.control.retain(addresses)
 
     def _close_stuck(self, link: SenderLink, why: str) -> None:
@@ -369,10 +432,9 @@ class PrefillEngine(EngineBase):
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=True)
-        busy = [t for t in [self._thread] + [p.connector for p in self.peers.values()] if t is not None]
-        for thread in busy:  # still opening a link (a slow connect): wait, then close that too
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(timeout=30)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self._connectors.shutdown(wait=True, cancel_futures=True)  # a link still opening is closed below
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=False)

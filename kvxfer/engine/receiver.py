@@ -98,6 +98,7 @@ class PeerInfo:
     accepted: int = 0  # newest epoch the writer ACCEPTed (it holds that link by then)
     offered_at: float = 0.0
     reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
+    repeer_after: float = 0.0  # a HELLO again (the writer forgot us, or its control connection closed) not before
 
 
 class LegState(str, enum.Enum):

@@ -13,9 +13,10 @@ and each routing identity is bound to the key it first arrived with, so an authe
 cannot speak under another engine's name. Without a keyring the plane is open, and says so once.
 
 An answer to a peer the engine does not keep (a refused HELLO) goes out once on a socket of its own
-without the engine's identity (:meth:`ControlPlane.send_once`; a bounded number at once, each closed
-after :data:`ONCE_HOLD_S`), and the engine closes the sockets of addresses no peer uses any more
-(:meth:`ControlPlane.retain`), so what a stranger names cannot pile up sockets.
+without the engine's identity (:meth:`ControlPlane.send_once`): the socket is closed as soon as the
+message is queued and lingers at most :data:`ONCE_LINGER_MS` to deliver it; at most :data:`MAX_ONCE`
+such answers per :data:`ONCE_WINDOW_S`. The engine closes the sockets of addresses no peer uses any
+more (:meth:`ControlPlane.retain`), so what a stranger names cannot pile up sockets.
 
 Invariants: sockets are closed exactly once (``close()`` is idempotent); nothing here interprets a
 message, it only moves bytes; with a keyring no message from an unauthenticated peer is delivered.
@@ -41,8 +42,9 @@ ZAP_DOMAIN = "kvxfer"
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MAX_BOUND = 65536
-ONCE_HOLD_S = 2.0  # a one-off answer's socket lives this long (to connect and deliver), then closes
-MAX_ONCE = 32  # one-off answers in flight at once; more are not sent (a flood of strangers)
+ONCE_LINGER_MS = 1000  # a one-off answer's socket, closed at once, delivers for at most this long
+ONCE_WINDOW_S = 1.0
+MAX_ONCE = 1024  # one-off answers per ONCE_WINDOW_S; more are not sent (a flood of strangers)
 
 
 class _Gatekeeper(ThreadAuthenticator):
@@ -103,7 +105,7 @@ class ControlPlane:
         self.address = keyring.address(self.endpoint) if keyring is not None else self.endpoint
         self._bound: dict[str, bytes] = {}  # routing identity -> the client key it authenticated with
         self._out: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
-        self._once: collections.OrderedDict[str, tuple[zmq.Socket, float]] = collections.OrderedDict()
+        self._once: collections.deque[float] = collections.deque()  # when recent one-off answers went
         self._out_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -182,27 +184,31 @@ class ControlPlane:
     def send_once(self, address: str, msg: m.Message) -> bool:
         """Answer a peer this engine does not keep (a refused HELLO, another protocol version): one
         message over a socket of its own without a routing identity (the receiving ROUTER makes up a
-        random one, so the answer does not name this engine), closed after :data:`ONCE_HOLD_S`. At most :data:`MAX_ONCE` such sockets
-        exist at once; False (nothing sent) beyond that or when ``address`` is unusable."""
+        random one, so the answer does not name this engine), closed at once: it lingers at most
+        :data:`ONCE_LINGER_MS` to deliver. At most :data:`MAX_ONCE` such answers per
+        :data:`ONCE_WINDOW_S`; False (nothing sent) beyond that or when ``address`` is unusable."""
         data = m.encode(msg)
+        now = time.monotonic()
         with self._out_lock:
             if self._closed:
                 return False
-            entry = self._once.get(address)
-            if entry is None:
-                if len(self._once) >= MAX_ONCE:
-                    return False
-                try:
-                    sock = self._open_dealer(address, None, hwm=16)
-                except PeerError:
-                    return False
-                entry = self._once[address] = (sock, time.monotonic() + ONCE_HOLD_S)
+            while self._once and self._once[0] <= now - ONCE_WINDOW_S:
+                self._once.popleft()
+            if len(self._once) >= MAX_ONCE:
+                return False
             try:
-                entry[0].send(data, zmq.NOBLOCK)
+                sock = self._open_dealer(address, None, hwm=16)
+            except PeerError:
+                return False
+            self._once.append(now)
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                return True
             except zmq.ZMQError:
                 return False
-        self.sent += 1
-        return True
+            finally:
+                sock.close(ONCE_LINGER_MS)
+                self.sent += 1
 
     def retain(self, addresses: set[str] | frozenset[str]) -> int:
         """Close the per-peer sockets of every address not in ``addresses`` (peers forgotten, answers
@@ -215,27 +221,15 @@ class ControlPlane:
         return len(stale)
 
     def open_sockets(self) -> int:
-        """Sockets this plane holds toward others (per-peer and one-off), for bookkeeping and tests."""
+        """Per-peer sockets this plane holds toward others, for bookkeeping and tests."""
         with self._out_lock:
-            return len(self._out) + len(self._once)
-
-    def _expire_once(self) -> None:
-        now = time.monotonic()
-        with self._out_lock:
-            while self._once:
-                address, (sock, deadline) = next(iter(self._once.items()))
-                if deadline > now and not self._closed:
-                    return
-                del self._once[address]
-                sock.close(0)
+            return len(self._out)
 
     def receive(self, timeout_ms: int) -> list[tuple[str, bytes]]:
         """Messages that arrived within ``timeout_ms`` (control thread only)."""
         out: list[tuple[str, bytes]] = []
         if self._closed:
             return out
-        if self._once:
-            self._expire_once()
         ready = dict(self._poller.poll(timeout_ms))
         if self._monitor is not None and self._monitor in ready:
             self._read_monitor()
@@ -319,13 +313,9 @@ class ControlPlane:
             self._closed = True
             entries = list(self._out.values())
             self._out.clear()
-            once = [sock for sock, _ in self._once.values()]
-            self._once.clear()
         for sock, lock in entries:
             with lock:
                 sock.close(0)
-        for sock in once:
-            sock.close(0)
         self._shutdown_sockets()
 
     def _shutdown_sockets(self) -> None:

@@ -513,7 +513,8 @@ class Error(Message):
     TYPE: ClassVar[str] = "ERROR"
     DOC: ClassVar[str] = (
         "either way, control. The sender could not act on a message it received (malformed, "
-        "unknown request, stale generation...). Informational: it changes no state."
+        "unknown request, stale generation...). Informational: it changes no state, except "
+        "`not_peered` to a decode, which then peers again (§3.0)."
     )
     about: str = _f(STR, "type of the offending message, or '?' when it could not be decoded")
     code: str = _f(STR, "error code (kvxfer.errors codes)")

@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop serving after S seconds (default: serve until stopped)")
     toy.set_defaults(func=_serve_toy)
 
+    fleet = sub.add_parser("fleet", help="one prefill against many decode engines peering at once (storms)")
+    _lazy(fleet, "kvxfer.tools.fleet")
+
     simulate = sub.add_parser("simulate", help="exposure simulation of the incident path over the real page ledger")
     _lazy(simulate, "kvxfer.tools.simulate")
     return parser
@@ -348,7 +351,7 @@ def _version() -> str:
     return __version__
 
 
-STOPPABLE = ("demo", "stress", "bench", "serve-toy")
+STOPPABLE = ("demo", "stress", "bench", "serve-toy", "fleet")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,7 @@ def _stress_config(args: argparse.Namespace, faults: dict[str, float]) -> Any:
         max_chunks=args.max_chunks, unsafe_legacy=args.unsafe_legacy, faults=faults,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, kv_heads=args.kv_heads, head_bytes=args.head_bytes,
         prefill_page_size=args.prefill_page_size, decode_page_size=args.decode_page_size,
+        prefills=args.prefills, decodes=args.decodes, churn=args.churn, max_joins=args.max_joins,
     )
 
 
@@ -135,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="tokens per prefill page (default: --page-size)")
     topology.add_argument("--decode-page-size", type=int, default=None, metavar="TOKENS",
                           help="tokens per decode page, a multiple or divisor of the prefill's (default: --page-size)")
+    fleet = stress.add_argument_group(
+        "fleet", "N prefill and M decode processes of one rank each, every decode peered with every prefill, each "
+        "request to a random pair; processes killed and restarted, joining and leaving while requests run")
+    fleet.add_argument("--prefills", type=int, default=1, metavar="N", help="prefill processes")
+    fleet.add_argument("--decodes", type=int, default=1, metavar="M", help="decode processes")
+    fleet.add_argument("--churn", type=float, default=0.0, metavar="RATE",
+                       help="per request started, the chance (0..1) that a random process is SIGKILLed and restarted, "
+                       "one more joins or one leaves cleanly")
+    fleet.add_argument("--max-joins", type=int, default=2, metavar="K",
+                       help="with churn, at most K processes per role above --prefills / --decodes")
     stress.add_argument("--prefill-pages", type=int, default=2048, help="pages in the prefill (writer) pool")
     stress.add_argument("--decode-pages", type=int, default=8192, help="pages in the decode (reader) pool")
     stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")

@@ -4,8 +4,11 @@ Drives prefill and decode engines in separate processes with a bounded workload 
 the design names, and judges the run by the bytes the decode side reads (see :mod:`.driver`). With a
 topology (``--prefill-tp``, ``--decode-tp``, page sizes per role) every tensor-parallel rank is its
 own process and decode pages, assembled from head slices, are checked cell by cell (:mod:`.ranks`).
-``--unsafe-legacy`` switches off admission rejection, completion verification and deferred
-release, reproducing the incident's behaviour, as a negative control for the oracle.
+A fleet (``--prefills``, ``--decodes``, ``--churn``) runs N prefill and M decode processes, each
+decode peered with every prefill, routes each request to a random pair, and kills, restarts, adds and
+retires processes while requests run (:mod:`.fleet`). ``--unsafe-legacy`` switches off admission
+rejection, completion verification and deferred release, reproducing the incident's behaviour, as a
+negative control for the oracle.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .report import outcome_text, summary_table, verdict_text, write_json, write_png
+    from . import report
 
     console = Console()
     show = sys.stdout.isatty() if progress is None else progress
@@ -53,12 +56,16 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
         finally:
             if bar is not None:
                 bar.stop()
-    console.print(summary_table(result))
     summary = result.summary()
-    console.print(outcome_text(summary), markup=False, highlight=False)
+    if "fleet" in summary:
+        console.print(report.topology_text(summary), markup=False, highlight=False)
+    console.print(report.summary_table(result))
+    if "fleet" in summary:
+        console.print(report.process_table(summary))
+    console.print(report.outcome_text(summary), markup=False, highlight=False)
     if json_path:
-        write_json(result, json_path)
+        report.write_json(result, json_path)
     if report_path:
-        write_png(result, report_path)
-    console.print(verdict_text(summary), style="green" if result.ok else "red", markup=False, highlight=False)
+        report.write_png(result, report_path)
+    console.print(report.verdict_text(summary), style="green" if result.ok else "red", markup=False, highlight=False)
     return 0 if result.ok else 1

@@ -14,6 +14,16 @@ group of ranks that share none), a client disconnect aborts every rank, ``kill_s
 prefill rank process and the driver stops the request's other ranks. A request completes only when
 every decode rank read back exactly its bytes; a rank that ends otherwise ends the request.
 
+A fleet (:mod:`.fleet`: ``prefills`` x ``decodes`` processes of one rank each) routes each request to
+one (prefill, decode) pair drawn from those up: the request's :class:`~.ranks.Route` names them, and
+everything above acts on them alone. With churn, a request's start may SIGKILL and restart a process,
+add one or retire one cleanly. A request routed to a process that dies fails (put down to the fault
+that killed it); its half in the surviving process is stopped by the driver when that half has no
+destination yet (what a router does when the other half of a request is gone), else left to the
+engine, which must settle it when the data connection closes. A retired process's pool must be whole
+when it leaves; a killed process's pool dies with it, and the pools it shared requests with must not
+keep a page of them.
+
 Invariants of the run: it stops by itself (request count and/or duration, then a bounded settle);
 it only talks to processes it started, on loopback; those processes and its key directory (a
 :class:`kvxfer.tools.procs.TempDir`) do not outlive it, even when it is killed (:mod:`kvxfer.tools.procs`).
@@ -31,7 +41,8 @@ from typing import Any
 
 from ...errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from .. import procs
-from .ranks import Ranks, key_names
+from .fleet import Fleet, Process
+from .ranks import Ranks, Route, key_names
 from .result import StressResult, pool_totals
 from .workload import RequestPlan, StressConfig, Workload
 
@@ -60,10 +71,12 @@ class Live:
     it, each prefill rank's sending progress, each decode rank's ending and, once ended, its outcome."""
 
     plan: RequestPlan
+    route: Route
     phase: Phase = Phase.ADMIT_PREFILL
     prefills: set[int] = field(default_factory=set)  # prefill ranks that admitted it
     decodes: set[int] = field(default_factory=set)  # decode ranks that admitted it
     bound: dict[int, int] = field(default_factory=dict)  # prefill rank -> incarnation the request depends on
+    dbound: dict[int, int] = field(default_factory=dict)  # a fleet: decode seat -> incarnation it depends on
     src_pages: dict[int, int] = field(default_factory=dict)  # prefill rank -> source pages it sends (0: none)
     sent: dict[int, int] = field(default_factory=dict)  # prefill rank -> source pages sent so far
     done_sending: set[int] = field(default_factory=set)
@@ -75,7 +88,7 @@ class Live:
     outcome: str = ""
     detail: str = ""
     fired: str = ""  # the request-level fault of its plan, once it has been injected
-    collateral: str = ""  # an injected fault aimed at another request that takes this one down too (kill_sender)
+    collateral: str = ""  # an injected fault aimed at another request that takes this one down too (kill_sender, churn)
 
     @property
     def prefill_admitted(self) -> bool:
@@ -106,7 +119,14 @@ class StressDriver:
 
         self._keys = procs.TempDir(prefix="kvxfer-stress-keys-")
         self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, key_names(config))}
-        self.ranks = Ranks(config, self.keyrings, node_log)
+        self.fleet: Fleet | None = Fleet(config, self.keyrings, node_log) if config.fleet else None
+        self.ranks: Any = self.fleet if self.fleet is not None else Ranks(config, self.keyrings, node_log)
+        self._held: RequestPlan | None = None  # a fleet: the next request, waiting for a pair to be up
+        # a fleet: requests whose decode died while their prefill half had its destination, by prefill
+        # (seat, incarnation): the prefill engine must settle them itself
+        self._orphans: dict[tuple[int, int], list[tuple[str, float]]] = {}  # -> [(rid, when its decode died)]
+        self._next_orphan_check = 0.0
+        self._stopped = False
         self._next_sample = 0.0
         self._next_audit = 0.0
 
@@ -117,21 +137,32 @@ class StressDriver:
             self._t0 = time.monotonic()
             while True:
                 now = time.monotonic()
+                if self.fleet is not None:
+                    self._churn_tick(now)
                 self._start_new(now)
                 if not self.live:
-                    break
+                    if not self._waiting_for_a_pair(now):
+                        break
+                    time.sleep(0.02)
                 for live in list(self.live.values()):
                     if live.phase is not Phase.END and now >= live.retry_at:
                         self._act(live, now)
                 self._poll()
+                if self._orphans and now >= self._next_orphan_check:
+                    self._next_orphan_check = now + 0.1
+                    self._check_orphans()
                 self._sample(now)
                 self._audit(now)
                 self.live = {rid: lv for rid, lv in self.live.items() if lv.phase is not Phase.END}
                 if self._on_progress is not None:
                     self._on_progress(self.result, len(self.live))
+            if self.fleet is not None:
+                self._fleet_end()
             self._settle()
         finally:
             self.result.elapsed = time.monotonic() - self._t0 if self._t0 else 0.0
+            if self.fleet is not None:
+                self.result.record_fleet(self.fleet, self.started)
             try:
                 self.ranks.close()
             finally:
@@ -140,15 +171,31 @@ class StressDriver:
 
     def _more(self, now: float) -> bool:
         cfg = self.config
+        if self._stopped:
+            return False
         if cfg.requests is not None and self.started >= cfg.requests:
             return False
         return not (cfg.duration is not None and now - self._t0 >= cfg.duration)
 
     def _start_new(self, now: float) -> None:
-        while len(self.live) < self.config.concurrency and self._more(now):
-            plan = self.workload.next()
-            self.started += 1
-            live = Live(plan=plan, started=now)
+        while len(self.live) < self.config.concurrency and (self._held is not None or self._more(now)):
+            if self._held is not None:
+                plan = self._held
+            else:
+                plan = self.workload.next()
+                self.started += 1
+                if plan.churn is not None:
+                    self._churn(plan.churn, now)
+            routed = self.ranks.route(plan.route)
+            if routed is None:  # a fleet with no pair up: it starts once one is
+                self._held = plan
+                return
+            self._held = None
+            route, incarnations = routed
+            live = Live(plan=plan, route=route, started=now)
+            if incarnations:  # a fleet: the request depends on these two processes from now on
+                live.bound[route.prefills[0]] = incarnations["prefill"]
+                live.dbound[route.decodes[0]] = incarnations["decode"]
             for fault in plan.faults:
                 self.result.planned[fault] += 1
             if "oversized" in plan.faults:
@@ -156,6 +203,18 @@ class StressDriver:
             if plan.faults & {"abort_before_bootstrap"} and plan.decode_first:
                 live.phase = Phase.ADMIT_DECODE
             self.live[plan.rid] = live
+
+    def _waiting_for_a_pair(self, now: float) -> bool:
+        """A fleet with requests still to start and no pair up yet, while processes are starting."""
+        fleet = self.fleet
+        if fleet is None or (self._held is None and not self._more(now)):
+            return False
+        if fleet.starting() or fleet.leaving():
+            return True
+        self.result.accounting_errors.append("no prefill and decode pair left up to route requests to")
+        self._held = None
+        self._stopped = True  # nothing more starts
+        return False
 
     def _fired(self, live: Live, fault: str) -> None:
         self.result.faults[fault] += 1
@@ -169,6 +228,8 @@ class StressDriver:
         reason = detail.split(":")[0][:60] or "failed"
         if outcome == "failed":
             self.result.failures[reason] += 1
+        if self.fleet is not None:
+            self._count_for_fleet(live, outcome)
         if outcome != "completed":
             cause = self._cause(live, outcome, reason)
             self.result.causes[(outcome, cause)] += 1
@@ -185,6 +246,7 @@ class StressDriver:
         "oversized": ("rejected",),
         "kill_sender": ("failed", "aborted"),
     }
+    CHURN = "churn"  # a fleet's kill of a process: every request routed to it ends
 
     def _cause(self, live: Live, outcome: str, reason: str) -> str:
         """The injected fault that ``outcome`` was meant to come from, or "" when none explains it."""
@@ -217,7 +279,7 @@ class StressDriver:
         """The request failed on one rank: stop it on the others, then wait for its decode ranks (if
         any took it) to end, or end it now."""
         self._abort_prefills(live, "request failed on another rank")
-        orphans = [d for d in live.decodes if not set(self.ranks.writers[d]) <= live.prefills]
+        orphans = [d for d in live.decodes if not set(live.route.writers[d]) <= live.prefills]
         for d in orphans:  # no writer of theirs admitted it: nobody else tells them
             try:
                 self._abort_decodes(live, "request failed on another rank", [d])
@@ -235,9 +297,10 @@ class StressDriver:
         rid = plan.rid
         try:
             if live.phase is Phase.ADMIT_PREFILL:
-                for p in range(self.config.prefill_tp):
+                for p in live.route.prefills:
                     if p not in live.prefills:
-                        self.ranks.prefill(p).admit(rid=rid, tokens=plan.tokens, **self.ranks.prefill_admit_args(p))
+                        self.ranks.prefill(p).admit(rid=rid, tokens=plan.tokens,
+                                                    **self.ranks.prefill_admit_args(p, live.route))
                         live.prefills.add(p)
                         live.bound.setdefault(p, self.ranks.incarnations[p])
                 for fault, at in (("abort_before_bootstrap", None), ("client_disconnect", 0)):
@@ -248,11 +311,12 @@ class StressDriver:
                         return
                 live.phase = Phase.ADMIT_DECODE
             elif live.phase is Phase.ADMIT_DECODE:
-                for d in range(self.config.decode_tp):
+                for d in live.route.decodes:
                     if d not in live.decodes:
-                        self.ranks.decode(d).admit(rid=rid, tokens=plan.tokens, **self.ranks.decode_admit_args(d))
+                        self.ranks.decode(d).admit(rid=rid, tokens=plan.tokens,
+                                                   **self.ranks.decode_admit_args(d, live.route))
                         live.decodes.add(d)
-                        for p in self.ranks.writers[d]:
+                        for p in live.route.writers[d]:
                             live.bound.setdefault(p, self.ranks.incarnations[p])
                 if "abort_before_bootstrap" in plan.faults:  # decode-first variant
                     self._fired(live, "abort_before_bootstrap")
@@ -296,9 +360,9 @@ class StressDriver:
                 pass
         elif not live.decode_admitted:
             # A prefill rank refused: every other rank must refuse it as well (before reserving anything).
-            others = [(self.ranks.prefill(p), self.ranks.prefill_admit_args(p))
-                      for p in range(1, self.config.prefill_tp)]
-            others += [(self.ranks.decode(d), self.ranks.decode_admit_args(d)) for d in range(self.config.decode_tp)]
+            route = live.route
+            others = [(self.ranks.prefill(p), self.ranks.prefill_admit_args(p, route)) for p in route.prefills[1:]]
+            others += [(self.ranks.decode(d), self.ranks.decode_admit_args(d, route)) for d in route.decodes]
             admitted = []
             for node, args in others:
                 try:
@@ -335,8 +399,8 @@ class StressDriver:
             if "abort_mid_transfer" in plan.faults:
                 # on one decode rank; the engines carry it to the ranks that share its writers
                 self._fired(live, "abort_mid_transfer")
-                first = plan.decode_rank % self.config.decode_tp
-                starts = [first] + [group[0] for group in self.ranks.components() if first not in group]
+                first = live.route.decodes[plan.decode_rank % len(live.route.decodes)]
+                starts = [first] + [group[0] for group in live.route.components if first not in group]
                 self._abort_decodes(live, "aborted mid-transfer", starts)
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "aborted"
@@ -346,32 +410,166 @@ class StressDriver:
                 return
             if "kill_sender" in plan.faults:
                 self._fired(live, "kill_sender")
-                self._kill_prefill(plan.prefill_rank % self.config.prefill_tp)
+                self._kill_prefill(live.route.prefills[plan.prefill_rank % len(live.route.prefills)])
                 return
         if last:
             live.phase = Phase.WAIT_DONE
 
-    def _kill_prefill(self, p: int) -> None:
+    def _kill_prefill(self, p: int, cause: str = "kill_sender") -> None:
         """SIGKILL prefill rank ``p`` mid-transfer, start a fresh one; every request that depended on the
         dead process fails, and its other ranks are stopped."""
+        if self._orphans:
+            self._check_orphans()  # what the prefill settled before it dies is counted
         dead = self.ranks.replace_prefill(p)
-        self.result.kills += 1
+        if cause == "kill_sender":
+            self.result.kills += 1
         for live in self.live.values():
             if live.phase is Phase.END or live.bound.get(p) != dead:
                 continue
-            live.collateral = "kill_sender"
+            live.collateral = cause
             self._abort_prefills(live, "a prefill rank of the request died", skip=p)
             if live.decode_admitted:
                 live.phase = Phase.WAIT_DECODE_END
                 live.expect = "failed"
+                if self.fleet is not None:  # the decode engine must end its half by itself
+                    self.result.counterparts["decode halves left to the decode engine"] += 1
             else:
-                self._finish(live, "failed", "sender killed")
+                self._finish(live, "failed", "sender killed" if cause == "kill_sender" else "prefill killed")
+
+    # a fleet: processes coming and going ------------------------------------------------------------
+    def _churn(self, event: tuple[str, str, float], now: float) -> None:
+        """Fire one churn event (kind, role, which): SIGKILL and restart a process, start one more, or
+        retire one. A kind the fleet cannot take now becomes another (a join with no free seat a leave,
+        a leave of a role's last process a join); with neither possible, a kill."""
+        fleet = self.fleet
+        assert fleet is not None
+        kind, role, which = event
+        up = fleet.up(role)
+        if kind == "join" and fleet.free_seat(role) is None:
+            kind = "leave"
+        if kind == "leave" and len(up) < 2:
+            kind = "join" if fleet.free_seat(role) is not None else "kill"
+        if kind == "join":
+            fleet.join(role)
+            return
+        if not up:  # every process of the role is starting or leaving: nothing to act on
+            self.result.churn_skipped += 1
+            return
+        victim = up[min(int(which * len(up)), len(up) - 1)]
+        if kind == "leave":
+            fleet.leave(victim)
+        elif role == "prefill":
+            self._kill_prefill(victim.seat, self.CHURN)
+        else:
+            self._kill_decode(victim.seat)
+
+    def _kill_decode(self, d: int) -> None:
+        """SIGKILL the decode in seat ``d``, start a fresh one. Every request routed to it fails; a
+        request's prefill half with no destination yet is stopped (as a router would), one that has
+        its destination is left to the prefill engine, which must settle it when the connection closes."""
+        fleet = self.fleet
+        assert fleet is not None
+        dead = fleet.kill("decode", d)
+        for live in self.live.values():
+            if live.phase is Phase.END or live.dbound.get(d) != dead:
+                continue
+            live.collateral = self.CHURN
+            p = live.route.prefills[0]
+            if live.phase in (Phase.ADMIT_PREFILL, Phase.ADMIT_DECODE, Phase.WAIT_READY):
+                if live.prefill_admitted:
+                    self.result.counterparts["prefill halves stopped by the driver"] += 1
+                self._abort_prefills(live, "the request's decode died")
+            elif live.prefill_admitted and live.bound.get(p) == self.ranks.incarnations[p]:
+                self.result.counterparts["prefill halves left to the prefill engine"] += 1
+                self._orphans.setdefault((p, live.bound[p]), []).append((live.plan.rid, time.monotonic()))
+            self._finish(live, "failed", "decode killed")
+
+    def _check_orphans(self, *, final: bool = False) -> None:
+        """Prefill halves left to their engine after their decode died: settled yet (terminal, every write
+        completed, sources freed)? At the end, one that is not is a failure."""
+        fleet = self.fleet
+        assert fleet is not None
+        now = time.monotonic()
+        for (p, incarnation), rids in list(self._orphans.items()):
+            process = fleet.seats["prefill"][p]
+            if process is None or process.incarnation != incarnation or not process.live:
+                # that prefill died too (a prefill leaves only once its requests are settled)
+                self.result.counterparts["prefill halves whose prefill died too"] += len(rids)
+                del self._orphans[(p, incarnation)]
+                continue
+            try:
+                states = self.ranks.prefill(p).statuses(rids=[rid for rid, _ in rids])
+            except KvxferError:
+                continue
+            left = [(rid, t) for rid, t in rids if not (states.get(repr(rid)) or {}).get("settled", True)]
+            self.result.counterparts["prefill halves settled by the prefill engine"] += len(rids) - len(left)
+            for rid, t in rids:
+                if (rid, t) not in left:
+                    self.result.orphan_settle_s.append(now - t)
+            if left:
+                self._orphans[(p, incarnation)] = left
+            else:
+                del self._orphans[(p, incarnation)]
+        if final:
+            unsettled = sum(len(rids) for rids in self._orphans.values())
+            if unsettled:
+                self.result.accounting_errors.append(
+                    f"{unsettled} prefill halves of requests whose decode died never settled")
+
+    def _churn_tick(self, now: float) -> None:
+        """Processes that finished starting come up (peered with the others); leaving ones whose requests
+        have all ended are retired."""
+        fleet = self.fleet
+        assert fleet is not None
+        fleet.poll_started()
+        for process in fleet.leaving():
+            if self._holds(process) and now - (process.leave_since or now) < self.config.settle_timeout:
+                continue
+            assert process.node is not None
+            try:
+                active = int(process.node.stats()["active"])
+            except KvxferError:
+                active = 0
+            if active and now - (process.leave_since or now) < self.config.settle_timeout:
+                continue  # the engine still settles a request the driver is done with
+            fleet.retire(process, self.result.accounting_errors)
+
+    def _holds(self, process: Process) -> bool:
+        """A request still in flight was routed to ``process``."""
+        for live in self.live.values():
+            if live.phase is Phase.END:
+                continue
+            if process.role == "prefill" and live.bound.get(process.seat) == process.incarnation:
+                return True
+            if process.role == "decode" and live.dbound.get(process.seat) == process.incarnation:
+                return True
+        return False
+
+    def _count_for_fleet(self, live: Live, outcome: str) -> None:
+        """A request ended: its pair's tally (a pair by seats; the processes by incarnation)."""
+        fleet = self.fleet
+        assert fleet is not None
+        if outcome != "completed":
+            return
+        p, d = live.route.prefills[0], live.route.decodes[0]
+        self.result.pairs[(f"prefill {p}", f"decode {d}")] += 1
+        for role, seat, bound in (("prefill", p, live.bound), ("decode", d, live.dbound)):
+            process = fleet.find(role, seat, bound.get(seat))
+            if process is not None:
+                process.completed += 1
+
+    def _fleet_end(self) -> None:
+        """Every request has ended: processes still starting come up before the pools are taken."""
+        fleet = self.fleet
+        assert fleet is not None
+        fleet.finish_starts()
+        fleet.poll_started()
 
     # polling -----------------------------------------------------------------------------------------
     def _poll(self) -> None:
         self._poll_prefills()
         waiting = [lv for lv in self.live.values() if lv.phase in (Phase.WAIT_DONE, Phase.WAIT_DECODE_END)]
-        for d in range(self.config.decode_tp):
+        for d in self.ranks.decode_seats():
             ask = [lv for lv in waiting if d in lv.decodes and d not in lv.ended and lv.phase is not Phase.END]
             if not ask:
                 continue
@@ -387,14 +585,15 @@ class StressDriver:
         ready = [lv for lv in self.live.values() if lv.phase is Phase.WAIT_READY]
         if not ready:
             return
-        states = []
-        for p in range(self.config.prefill_tp):
+        states: dict[int, dict[str, Any]] = {}
+        for p in sorted({p for lv in ready for p in lv.route.prefills}):
+            mine = [lv for lv in ready if p in lv.route.prefills]
             try:
-                states.append(self.ranks.prefill(p).statuses(rids=[lv.plan.rid for lv in ready]))
+                states[p] = self.ranks.prefill(p).statuses(rids=[lv.plan.rid for lv in mine])
             except PeerError:
-                states.append({})
+                states[p] = {}
         for live in ready:
-            got = [rank.get(repr(live.plan.rid)) for rank in states]
+            got = [states[p].get(repr(live.plan.rid)) for p in live.route.prefills]
             if any(s is None for s in got):
                 continue
             names = [s["state"] for s in got]
@@ -404,7 +603,7 @@ class StressDriver:
             if not all(n in ("READY", "SUCCEEDED") for n in names):
                 continue
             try:
-                for p, name in enumerate(names):
+                for p, name in zip(live.route.prefills, names):
                     if name == "READY":
                         live.src_pages[p] = int(self.ranks.prefill(p).prepare(rid=live.plan.rid,
                                                                                seed=self.config.seed)["pages"])
@@ -454,6 +653,12 @@ class StressDriver:
         self.result.pages_checked += report["pages"]
         self.result.leaked_pages += report["leaked_pages"]
         self.result.corrupted_pages += report["corrupted_pages"]
+        if self.fleet is not None:
+            process = self.fleet.find("decode", d, live.dbound.get(d))
+            assert process is not None
+            process.pages_checked += report["pages"]
+            process.leaked_pages += report["leaked_pages"]
+            process.corrupted_pages += report["corrupted_pages"]
         for source in report["leaked_from"]:
             self.result.leak_sources.add(tuple(source))
         live.ended[d] = ("READ", "")
@@ -494,8 +699,7 @@ class StressDriver:
         if now < self._next_sample:
             return
         self._next_sample = now + 0.5
-        landed = sum(int(node.stats()["writes"]["landed_bytes"]) for node in self.ranks.decodes if node is not None)
-        self.result.samples.append((now - self._t0, landed))
+        self.result.samples.append((now - self._t0, self.ranks.landed_bytes()))
 
     def _audit(self, now: float) -> None:
         """The accounting invariant on every live rank, while requests are in flight (once a second)."""
@@ -509,7 +713,7 @@ class StressDriver:
                 node.accounting()
                 self.result.accounting_checks += 1
             except PeerError:
-                continue  # died between the check and the call: the restart handles it
+                continue  # died between the check and the call: the restart handles it (a fleet: the churn)
             except KvxferError as exc:
                 self.result.accounting_errors.append(f"{label} during the run: {exc}")
 
@@ -527,6 +731,10 @@ class StressDriver:
                           ", ".join(f"{label} {n}" for label, n in active.items()))
                 break
             time.sleep(0.1)
+        if self.fleet is not None:
+            self._check_orphans(final=True)
+            for process in self.fleet.leaving():  # their requests have ended: they leave now
+                self.fleet.retire(process, self.result.accounting_errors)
         self._next_sample = 0.0
         self._sample(time.monotonic())
         for label, node in self.ranks.labelled():
@@ -540,6 +748,11 @@ class StressDriver:
         self.result.pools = [{"pool": label, "total": int(s["pool_total"]), "free": int(s["pool_free"]),
                               "quarantined": int(s.get("pages", {}).get("quarantined", 0))}
                              for label, s in stats.items()]
+        if self.fleet is not None:
+            for process in self.fleet.processes:
+                pool = next((p for p in self.result.pools if p["pool"] == process.label), None)
+                if pool is not None and process.live:
+                    process.pool = {k: pool[k] for k in ("total", "free", "quarantined")}
         counts = Counter(self.ranks.closed_fault_counts)
         for node in self.ranks.prefills:
             if node is not None:

@@ -14,6 +14,7 @@ and the decode ranks it serves peer with it again. Every process started here di
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from ...core.geometry import KVGeometry, writers_of
@@ -34,10 +35,47 @@ def rank_geometry(config: StressConfig, role: str, rank: int) -> KVGeometry:
 
 
 def key_names(config: StressConfig) -> list[str]:
-    """One key pair per rank (a replaced prefill rank keeps its rank's key)."""
+    """One key pair per rank (a replaced prefill rank keeps its rank's key); a fleet's: one per seat."""
+    if config.fleet:
+        from .fleet import fleet_key_names
+
+        return fleet_key_names(config)
     if not config.topology:
         return ["prefill", "decode"]
     return [f"prefill{p}" for p in range(config.prefill_tp)] + [f"decode{d}" for d in range(config.decode_tp)]
+
+
+def node_config(cfg: StressConfig, keyring: str) -> dict[str, Any]:
+    """The engine settings every node process of a run gets (:class:`kvxfer.EngineConfig` fields)."""
+    config = {
+        "max_context": cfg.max_context,
+        "transport": cfg.transport,
+        "alloc_policy": cfg.alloc_policy,
+        "free_policy": cfg.free_policy,
+        "checksum": cfg.checksum,
+        "seed": cfg.seed,
+        "drain_timeout": cfg.drain_timeout,
+        "transfer_timeout": cfg.transfer_timeout,
+        "meta_timeout": cfg.transfer_timeout,
+        "unsafe_legacy": cfg.unsafe_legacy,
+        "heartbeat_interval": 0.5,
+        "transport_options": cfg.transport_options,
+        "keyring": keyring,
+    }
+    if cfg.transport == "verbs":
+        config["peer_timeout"] = 10.0  # verbs has no EOF: a killed writer is found by its silence
+    return config
+
+
+@dataclass
+class Route:
+    """Which ranks (or, in a fleet, which processes by seat) one request goes through: its prefill and
+    decode ranks, each decode rank's writers, and the decode ranks grouped by the writers they share."""
+
+    prefills: list[int]
+    decodes: list[int]
+    writers: dict[int, list[int]]
+    components: list[list[int]]
 
 
 class Ranks:
@@ -60,28 +98,15 @@ class Ranks:
             self.writers = [[0]]
         self.served = [[d for d, ws in enumerate(self.writers) if p in ws] for p in range(config.prefill_tp)]
         self.peer_ids: list[list[str]] = [[""] * len(ws) for ws in self.writers]  # decode rank -> writer ids
+        # every request goes through every rank
+        self.everyone = Route(prefills=list(range(config.prefill_tp)), decodes=list(range(config.decode_tp)),
+                              writers=dict(enumerate(self.writers)), components=self.components())
 
     # processes -------------------------------------------------------------------------------------
     def spec(self, role: str, rank: int) -> NodeSpec:
         cfg = self.config
         name = key_names(cfg)[rank if role == "prefill" else cfg.prefill_tp + rank]
-        config = {
-            "max_context": cfg.max_context,
-            "transport": cfg.transport,
-            "alloc_policy": cfg.alloc_policy,
-            "free_policy": cfg.free_policy,
-            "checksum": cfg.checksum,
-            "seed": cfg.seed,
-            "drain_timeout": cfg.drain_timeout,
-            "transfer_timeout": cfg.transfer_timeout,
-            "meta_timeout": cfg.transfer_timeout,
-            "unsafe_legacy": cfg.unsafe_legacy,
-            "heartbeat_interval": 0.5,
-            "transport_options": cfg.transport_options,
-            "keyring": self.keyrings[name],
-        }
-        if cfg.transport == "verbs":
-            config["peer_timeout"] = 10.0  # verbs has no EOF: a killed writer is found by its silence
+        config = node_config(cfg, self.keyrings[name])
         if role == "prefill":
             pages, page_size = cfg.prefill_pages, cfg.prefill_page
             config["allow_undersized_pool"] = cfg.prefill_tokens < cfg.max_context
@@ -158,7 +183,18 @@ class Ranks:
         assert node is not None
         return node
 
-    def prefill_admit_args(self, p: int) -> dict[str, Any]:
+    def decode_seats(self) -> list[int]:
+        return list(range(self.config.decode_tp))
+
+    def route(self, draw: tuple[float, float]) -> tuple[Route, dict[str, int]] | None:
+        """Every request goes through every rank (``draw`` is a fleet's)."""
+        return self.everyone, {}
+
+    def landed_bytes(self) -> int:
+        """Bytes landed in the decode ranks' pages (their write guards' ``landed_bytes``)."""
+        return sum(int(node.stats()["writes"]["landed_bytes"]) for node in self.decodes if node is not None)
+
+    def prefill_admit_args(self, p: int, route: Route | None = None) -> dict[str, Any]:
         """How prefill rank ``p`` admits: as the plain pair does (its only peer), else naming the decode
         ranks it serves."""
         if not self.config.topology:
@@ -166,7 +202,7 @@ class Ranks:
         ids = [self.decode(d).engine_id for d in self.served[p]]
         return {"peer": ids[0]} if len(ids) == 1 else {"peers": ids}
 
-    def decode_admit_args(self, d: int) -> dict[str, Any]:
+    def decode_admit_args(self, d: int, route: Route | None = None) -> dict[str, Any]:
         """How decode rank ``d`` admits: its writers' engine ids, in rank order."""
         ids = self.peer_ids[d]
         return {"peer": ids[0]} if len(ids) == 1 else {"peers": list(ids)}

@@ -1,4 +1,5 @@
-"""Stress output: a live progress bar on a terminal, the summary table, JSON and the PNG report."""
+"""Stress output: a live progress bar on a terminal, the summary table, JSON and the PNG report; a fleet
+adds its topology line and a table of every process it started."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def verdict_text(s: dict[str, Any]) -> str:
         problems.append(f"{len(s['accounting_errors'])} accounting violations")
     if not s["settled"]:
         problems.append("requests still active at the end")
+    if s.get("requests_unaccounted"):
+        problems.append(f"{s['requests_unaccounted']:,} requests unaccounted for")
     if not problems:
         return "PASS: no leaked, corrupted or lost pages; no rejected request succeeded; accounting clean"
     return "FAIL: " + "; ".join(problems)
@@ -109,6 +112,7 @@ def summary_table(result: StressResult) -> Any:
         ("accounting checks while running / violations",
          f"{s['accounting_checks_during_run']} / {bad(len(s['accounting_errors']))}"),
         *_pool_rows(s),
+        *_fleet_rows(s, bad),
         ("bytes landed at decode", f"{s['bytes_moved']:,}"),
         ("throughput", f"{rate_text(result.throughput)} over {s['seconds']:.1f} s"),
         ("latency p50 / p99", f"{s['latency_ms']['p50']:.1f} / {s['latency_ms']['p99']:.1f} ms"),
@@ -119,9 +123,19 @@ def summary_table(result: StressResult) -> Any:
 
 
 def _pool_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """The decode pool's free pages at the end; with a topology, each role's pools summed over its ranks."""
+    """The decode pool's free pages at the end; with a topology, each role's pools summed over its ranks;
+    a fleet's over the processes still running."""
     if not s["topology"]["text"]:
         return [("decode pool free at end", f"{s['pool_free_at_end']} / {s['pool_total']}")]
+    if "fleet" in s:
+        running = s["fleet"]["processes_at_end"]
+
+        def procs(role: str) -> str:
+            return f"{running[role]} process{'es' if running[role] != 1 else ''} running"
+
+        return [(f"decode pools free at end ({procs('decode')})", f"{s['pool_free_at_end']} / {s['pool_total']}"),
+                (f"prefill pools free at end ({procs('prefill')})",
+                 f"{s['prefill_pool_free_at_end']} / {s['prefill_pool_total']}")]
     ranks = Counter(pool["pool"].split()[0] for pool in s["pools"])
 
     def of(role: str) -> str:
@@ -130,6 +144,75 @@ def _pool_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     return [(f"decode pools free at end ({of('decode')})", f"{s['pool_free_at_end']} / {s['pool_total']}"),
             (f"prefill pools free at end ({of('prefill')})",
              f"{s['prefill_pool_free_at_end']} / {s['prefill_pool_total']}")]
+
+
+def _fleet_rows(s: dict[str, Any], bad: Any) -> list[tuple[str, Any]]:
+    """A fleet's churn, pairs, the pools of the processes that left, and requests unaccounted for."""
+    if "fleet" not in s:
+        return []
+    f = s["fleet"]
+    c = f["counterpart_halves"]
+    within = f" within {f['prefill_halves_settled_within_s']:.1f} s" if f["prefill_halves_settled_within_s"] else ""
+    left = [p for p in f["processes"] if p["end"] == "left"]
+    whole = sum(1 for p in left if p["pool"] is not None and p["pool"]["free"] == p["pool"]["total"])
+    seat_pairs = len({(p["seat"], d["seat"]) for p in f["processes"] if p["role"] == "prefill"
+                      for d in f["processes"] if d["role"] == "decode"})
+    return [
+        ("processes started (killed / left / running at end)",
+         f"{f['processes_started']} ({f['processes_by_end'].get('killed', 0)} / {f['processes_by_end'].get('left', 0)}"
+         f" / {f['processes_by_end'].get('running', 0)})"),
+        ("processes killed (prefill / decode), restarted, joined, left (prefill / decode)",
+         f"{f['kills']['prefill']} / {f['kills']['decode']}, {f['restarts']}, {f['joins']}, "
+         f"{f['leaves']['prefill']} / {f['leaves']['decode']}"),
+        ("pairs that completed requests", f"{f['distinct_pairs_completed']} of {seat_pairs}"),
+        ("requests' halves whose other process was killed",
+         f"decode: {c['decode halves left to the decode engine']} left to their engine; prefill: "
+         f"{c['prefill halves settled by the prefill engine']} of {c['prefill halves left to the prefill engine']} "
+         f"settled by their engine{within} ({c['prefill halves whose prefill died too']} died too), "
+         f"{c['prefill halves stopped by the driver']} stopped by the driver"),
+        ("pools whole when their process left", f"{whole} of {len(left)}"
+         + (f" [red]({len(left) - whole} FAIL)[/red]" if whole != len(left) else "")),
+        ("requests unaccounted for", bad(s["requests_unaccounted"])),
+    ]
+
+
+def topology_text(s: dict[str, Any]) -> str:
+    """A fleet's topology line: who runs, who peers with whom, how requests are routed."""
+    f = s["fleet"]
+    cfg = s["topology"]
+    kills = f["kills"]["prefill"] + f["kills"]["decode"]
+    return (f"topology: {cfg['prefills']} prefill x {cfg['decodes']} decode processes of one rank each, every decode "
+            f"peered with every prefill; each request to a random (prefill, decode) pair; churn {cfg['churn']:g} per "
+            f"request; processes killed {kills} ({kills - f['kills_by_churn']} by kill_sender), restarted "
+            f"{f['restarts']}, joined {f['joins']}, left {f['leaves']['prefill'] + f['leaves']['decode']}; "
+            f"{f['processes_started']} processes in all (the first {cfg['prefills'] + cfg['decodes']} up and peered in "
+            f"{f['startup_s']:.1f} s)")
+
+
+def process_table(s: dict[str, Any]) -> Any:
+    """Every process a fleet run started: how it started and ended, its requests, its pool (at the end, or
+    as it left; a killed process's pool died with it)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="processes (pages: checked by the oracle; bad: leaked / corrupted)", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for name in ("process", "started", "end", "routed", "done", "pages", "bad", "pool free"):
+        table.add_column(name, justify="left" if name in ("process", "started", "end") else "right",
+                         no_wrap=name in ("process", "pool free"))
+    for p in s["fleet"]["processes"]:
+        pool = p["pool"]
+        if p["end"] == "killed":
+            pool_text = "died"
+        elif pool is None:
+            pool_text = "-"
+        else:
+            pool_text = f"{pool['free']}/{pool['total']}" + (" [red]FAIL[/red]" if pool["free"] != pool["total"] else "")
+        decode = p["role"] == "decode"
+        table.add_row(p["process"], p["started_as"], p["end"], str(p["routed"]), str(p["completed"]),
+                      str(p["pages_checked"]) if decode else "-",
+                      f"{p['leaked_pages']}/{p['corrupted_pages']}" if decode else "-", pool_text)
+    return table
 
 
 def write_json(result: StressResult, path: str) -> None:

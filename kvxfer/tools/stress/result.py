@@ -2,18 +2,23 @@
 
 The verdict is made from content and accounting only: no leaked or corrupted page (by the oracle),
 no lost page in any pool (every rank's pool whole again after the settle), no rejected request that
-succeeded, clean accounting, everything settled.
+succeeded, clean accounting, everything settled. A fleet adds: every pool of a process that left
+cleanly was whole when it left (a killed process's pool dies with it and is not counted), and every
+request started was accounted for.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .workload import ALL_FAULTS, StressConfig
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
 
 
 def pool_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,6 +68,16 @@ class StressResult:
     # a decode rank's own failure reason when another rank's failure is the request's (several ranks)
     secondary_failures: Counter = field(default_factory=Counter)
     rank_timeouts: int = 0  # decode ranks that waited out transfer_timeout: an end nobody carried to them
+    # a fleet ---------------------------------------------------------------------------------------
+    pairs: Counter = field(default_factory=Counter)  # (prefill seat, decode seat) -> requests completed
+    churn_skipped: int = 0  # churn events with nothing to act on (every process of the role starting)
+    # halves of requests whose other process was killed: who ended them (the engines must, by themselves)
+    counterparts: Counter = field(default_factory=Counter)
+    orphan_settle_s: list[float] = field(default_factory=list)  # decode killed -> its prefill half settled
+    requests_started: int = 0
+    fleet_counts: dict[str, int] = field(default_factory=dict)  # kills by role, restarts, joins, leaves, ...
+    fleet_startup_s: float = 0.0
+    processes: list[dict[str, Any]] = field(default_factory=list)  # every process started, with its figures
 
     # the verdict -----------------------------------------------------------------------------
     @property
@@ -81,7 +96,15 @@ class StressResult:
     def lost_pages(self) -> int:
         lost = self.pool_total - self.pool_free_at_end
         lost += int(self.prefill_stats.get("pool_total", 0)) - int(self.prefill_stats.get("pool_free", 0))
+        for process in self.processes:  # a fleet: the pools of processes that left, as they left
+            if process["end"] == "left" and process["pool"] is not None:
+                lost += process["pool"]["total"] - process["pool"]["free"]
         return lost
+
+    @property
+    def requests_unaccounted(self) -> int:
+        """A fleet: requests started that no outcome was counted for."""
+        return self.requests_started - sum(self.outcomes.values()) if self.config.fleet else 0
 
     @property
     def bytes_moved(self) -> int:
@@ -97,6 +120,7 @@ class StressResult:
             and self.corrupted_pages == 0
             and self.lost_pages == 0
             and self.rejected_succeeded == 0
+            and self.requests_unaccounted == 0
             and not self.accounting_errors
             and self.settled
         )
@@ -106,7 +130,47 @@ class StressResult:
         return {"prefill_tp": cfg.prefill_tp, "decode_tp": cfg.decode_tp, "prefill_page_size": cfg.prefill_page,
                 "decode_page_size": cfg.decode_page,
                 **({"kv_heads": cfg.kv_heads, "head_bytes": cfg.head_bytes} if cfg.topology else {}),
-                "text": cfg.describe_topology()}
+                **({"prefills": cfg.prefills, "decodes": cfg.decodes, "churn": cfg.churn} if cfg.fleet else {}),
+                "text": cfg.describe_topology() or cfg.describe_fleet()}
+
+    def record_fleet(self, fleet: Fleet, started: int) -> None:
+        """A fleet run's processes and churn, as they stand at its end."""
+        self.requests_started = started
+        self.fleet_counts = dict(fleet.counts)
+        self.fleet_startup_s = fleet.startup_s
+        self.processes = [process.record(fleet.t0) for process in fleet.processes]
+
+    def fleet_summary(self) -> dict[str, Any]:
+        """What a fleet run adds to the summary: churn, pairs, every process's figures."""
+        counts = Counter(self.fleet_counts)
+        by_end = Counter(p["end"] for p in self.processes)
+        return {
+            "processes_started": len(self.processes),
+            "startup_s": round(self.fleet_startup_s, 3),  # until the first processes were all up and peered
+            "processes_at_end": {role: sum(1 for p in self.processes if p["role"] == role and p["end"] == "running")
+                                 for role in ("prefill", "decode")},
+            "kills": {role: int(counts[f"{role}_kills"]) for role in ("prefill", "decode")},
+            "kills_by_churn": int(counts["prefill_kills"] + counts["decode_kills"]) - self.kills,
+            "restarts": int(counts["restarts"]),
+            "joins": int(counts["joins"]),
+            "leaves": {role: int(counts[f"{role}_leaves"]) for role in ("prefill", "decode")},
+            "processes_by_end": dict(by_end),
+            "start_failures": int(counts["start_failures"]),
+            "peerings": int(counts["peerings"]),
+            "peering_failures": int(counts["peering_failures"]),
+            "churn_events_skipped": self.churn_skipped,
+            "counterpart_halves": {key: int(self.counterparts[key]) for key in (
+                "decode halves left to the decode engine", "prefill halves left to the prefill engine",
+                "prefill halves settled by the prefill engine", "prefill halves whose prefill died too",
+                "prefill halves stopped by the driver")},
+            # seconds from a decode's death until the prefill engine had settled a half it held for it
+            "prefill_halves_settled_within_s": round(max(self.orphan_settle_s), 3) if self.orphan_settle_s else None,
+            "pairs_completed": {f"{p} -> {d}": n for (p, d), n in sorted(self.pairs.items())},
+            "distinct_pairs_completed": len(self.pairs),
+            "left_pools_not_whole": sum(1 for p in self.processes if p["end"] == "left" and p["pool"] is not None
+                                        and p["pool"]["free"] != p["pool"]["total"]),
+            "processes": self.processes,
+        }
 
     def latency(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
@@ -175,5 +239,7 @@ class StressResult:
             "throughput_gbps": float(f"{self.throughput / 1e9:.6g}"),
             "throughput_bytes_per_s": round(self.throughput, 1),
             "latency_ms": {"p50": round(self.latency(50), 3), "p99": round(self.latency(99), 3)},
+            **({"requests_started": self.requests_started, "requests_unaccounted": self.requests_unaccounted,
+                "fleet": self.fleet_summary()} if self.config.fleet else {}),
             "ok": self.ok,
         }

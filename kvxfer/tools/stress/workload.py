@@ -10,6 +10,12 @@ A topology (``prefill_tp`` and ``decode_tp`` ranks of one prefill and one decode
 of ``head_bytes`` each split between the ranks, page sizes per role) runs each rank as its own
 process with a :class:`~kvxfer.core.geometry.KVGeometry`; one prefill and one decode rank of equal
 page sizes is the plain pair, as without these options.
+
+A fleet (``prefills`` prefill and ``decodes`` decode processes, every decode peered with every
+prefill) routes each request to a random (prefill, decode) pair, drawn from a stream of its own;
+with ``churn`` a request's start may also kill and restart a process, add one (a join) or retire
+one cleanly (a leave), each drawn from another stream of its own, so the plain pair's and the
+topologies' draws stay what they were.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ REQUEST_FAULTS = (
     "kill_sender",
 )
 LINK_FAULTS = ("late_write", "duplicate_write", "flip_byte", "slow_link")
+CHURN_KINDS = ("kill", "join", "leave")  # SIGKILL and restart; a process more; one retired cleanly
+MAX_FLEET = 16  # processes per role at the start of a fleet run
 ALL_FAULTS = REQUEST_FAULTS + LINK_FAULTS
 _LINK_RATE_NAMES = {
     "late_write": "late_rate",
@@ -73,6 +81,10 @@ class StressConfig:
     head_bytes: int = 64
     prefill_page_size: int | None = None  # None: page_size
     decode_page_size: int | None = None  # None: page_size
+    prefills: int = 1  # prefill processes (a fleet when either count is above 1, or with churn)
+    decodes: int = 1  # decode processes, each peered with every prefill
+    churn: float = 0.0  # per request started: the chance of a kill and restart, a join or a leave
+    max_joins: int = 2  # a fleet grows by at most this many processes per role above its start
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -90,6 +102,7 @@ class StressConfig:
         if self.prefill_pages < 1 or self.decode_pages < 1:
             raise ConfigError("pools need at least one page")
         self._check_topology()
+        self._check_fleet()
 
     def _check_topology(self) -> None:
         for name in ("prefill_tp", "decode_tp"):
@@ -115,7 +128,32 @@ class StressConfig:
             raise ConfigError(f"head bytes must be a multiple of 8, at least 32 (each cell carries the oracle's "
                               f"32-byte header), got {self.head_bytes}")
 
+    def _check_fleet(self) -> None:
+        for name in ("prefills", "decodes"):
+            if not 1 <= getattr(self, name) <= MAX_FLEET:
+                raise ConfigError(f"{name} must be 1..{MAX_FLEET} processes, got {getattr(self, name)}")
+        if not 0.0 <= self.churn <= 1.0:
+            raise ConfigError(f"churn rate {self.churn} outside [0, 1]")
+        if not 0 <= self.max_joins <= MAX_FLEET:
+            raise ConfigError(f"max joins must be 0..{MAX_FLEET}, got {self.max_joins}")
+        if self.fleet and self.topology:
+            raise ConfigError("--prefills/--decodes/--churn run processes of one rank each with equal page sizes: "
+                              "they do not combine with --prefill-tp/--decode-tp or unequal page sizes (run the "
+                              "topology with one process of each, or the fleet without a topology)")
+
     # topology ------------------------------------------------------------------------------------
+    @property
+    def fleet(self) -> bool:
+        """Several prefill or decode processes (each request to one pair), or processes coming and going."""
+        return self.prefills > 1 or self.decodes > 1 or self.churn > 0
+
+    def describe_fleet(self) -> str:
+        """``"3 prefill x 4 decode processes, churn 0.05"`` ("" without a fleet)."""
+        if not self.fleet:
+            return ""
+        return (f"{self.prefills} prefill x {self.decodes} decode processes"
+                + (f", churn {self.churn:g}" if self.churn else ""))
+
     @property
     def prefill_page(self) -> int:
         return self.prefill_page_size or self.page_size
@@ -163,7 +201,11 @@ class StressConfig:
         return {_LINK_RATE_NAMES[name]: self.faults.get(name, 0.0) for name in LINK_FAULTS}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.fleet:  # the plain pair's and the topologies' JSON stay as they were
+            for name in ("prefills", "decodes", "churn", "max_joins"):
+                del data[name]
+        return data
 
 
 @dataclass
@@ -178,6 +220,8 @@ class RequestPlan:
     disconnect_at: int = 0  # client_disconnect: 0 after prefill admission, 1 after decode's, 2 mid-transfer
     prefill_rank: int = 0  # kill_sender: the prefill rank killed
     decode_rank: int = 0  # abort_mid_transfer: the decode rank the abort starts on
+    route: tuple[float, float] = (0.0, 0.0)  # a fleet: where in the live prefills and decodes it goes
+    churn: tuple[str, str, float] | None = None  # a fleet: (kind, role, which) fired as it starts
 
 
 class Workload:
@@ -188,6 +232,8 @@ class Workload:
         self._rng = random.Random(config.seed)
         self._np = np.random.default_rng(config.seed)
         self._ranks = random.Random(f"ranks-{config.seed}")  # its own stream: the plain pair's draws stay as they were
+        self._routes = random.Random(f"routes-{config.seed}")  # a fleet's pairs and churn: streams of their own
+        self._churn = random.Random(f"churn-{config.seed}")
         self._count = 0
 
     def next(self) -> RequestPlan:
@@ -219,6 +265,10 @@ class Workload:
             tokens = int(self._np.lognormal(np.log(cfg.median_tokens), cfg.sigma))
             tokens = max(1, min(tokens, limit))
         chunks = self._rng.randint(1, max(1, cfg.max_chunks))
+        route = (self._routes.random(), self._routes.random()) if cfg.fleet else (0.0, 0.0)
+        churn = None
+        if cfg.churn and self._churn.random() < cfg.churn:
+            churn = (self._churn.choice(CHURN_KINDS), self._churn.choice(("prefill", "decode")), self._churn.random())
         return RequestPlan(
             rid=f"s{self._count}",
             tokens=tokens,
@@ -228,4 +278,6 @@ class Workload:
             disconnect_at=self._rng.randrange(3),
             prefill_rank=self._ranks.randrange(cfg.prefill_tp),
             decode_rank=self._ranks.randrange(cfg.decode_tp),
+            route=route,
+            churn=churn,
         )

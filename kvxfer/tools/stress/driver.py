@@ -42,7 +42,7 @@ from typing import Any
 from ...errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from .. import procs
 from .fleet import Fleet, Process
-from .ranks import Ranks, Route, key_names
+from .ranks import Ranks, Route
 from .result import StressResult, pool_totals
 from .workload import RequestPlan, StressConfig, Workload
 
@@ -118,7 +118,7 @@ class StressDriver:
         from ...wire.auth import write_cluster
 
         self._keys = procs.TempDir(prefix="kvxfer-stress-keys-")
-        self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, key_names(config))}
+        self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, config.key_names())}
         self.fleet: Fleet | None = Fleet(config, self.keyrings, node_log) if config.fleet else None
         self.ranks: Any = self.fleet if self.fleet is not None else Ranks(config, self.keyrings, node_log)
         self._held: RequestPlan | None = None  # a fleet: the next request, waiting for a pair to be up

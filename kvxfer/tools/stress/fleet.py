@@ -32,22 +32,9 @@ from typing import Any
 from ...errors import KvxferError
 from ..node import NodeClient, NodeSpec, spawn
 from .ranks import Route, node_config
-from .workload import StressConfig
+from .workload import ROLES, StressConfig
 
 log = logging.getLogger("kvxfer.stress")
-
-ROLES = ("prefill", "decode")
-
-
-def seats(config: StressConfig, role: str) -> int:
-    """Seats of a role: the processes it starts with, and room for ``max_joins`` more."""
-    return (config.prefills if role == "prefill" else config.decodes) + config.max_joins
-
-
-def fleet_key_names(config: StressConfig) -> list[str]:
-    """One key pair per seat (every process in a seat uses its seat's key)."""
-    return [f"{role}{seat}" for role in ROLES for seat in range(seats(config, role))]
-
 
 @dataclass
 class Process:
@@ -112,8 +99,8 @@ class Fleet:
         self.config = config
         self.keyrings = keyrings
         self.node_log = node_log
-        self.seats: dict[str, list[Process | None]] = {role: [None] * seats(config, role) for role in ROLES}
-        self.next_incarnation: dict[str, list[int]] = {role: [0] * seats(config, role) for role in ROLES}
+        self.seats: dict[str, list[Process | None]] = {role: [None] * config.seats(role) for role in ROLES}
+        self.next_incarnation: dict[str, list[int]] = {role: [0] * config.seats(role) for role in ROLES}
         self.processes: list[Process] = []  # every process started, in order
         self.peered: set[tuple[str, str]] = set()  # (prefill label, decode label)
         self.counts: Counter = Counter()  # kills by role, restarts, joins, leaves, peerings, failures

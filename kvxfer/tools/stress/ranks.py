@@ -34,17 +34,6 @@ def rank_geometry(config: StressConfig, role: str, rank: int) -> KVGeometry:
                                 group=PREFILL_GROUP if role == "prefill" else DECODE_GROUP)
 
 
-def key_names(config: StressConfig) -> list[str]:
-    """One key pair per rank (a replaced prefill rank keeps its rank's key); a fleet's: one per seat."""
-    if config.fleet:
-        from .fleet import fleet_key_names
-
-        return fleet_key_names(config)
-    if not config.topology:
-        return ["prefill", "decode"]
-    return [f"prefill{p}" for p in range(config.prefill_tp)] + [f"decode{d}" for d in range(config.decode_tp)]
-
-
 def node_config(cfg: StressConfig, keyring: str) -> dict[str, Any]:
     """The engine settings every node process of a run gets (:class:`kvxfer.EngineConfig` fields)."""
     config = {
@@ -105,7 +94,7 @@ class Ranks:
     # processes -------------------------------------------------------------------------------------
     def spec(self, role: str, rank: int) -> NodeSpec:
         cfg = self.config
-        name = key_names(cfg)[rank if role == "prefill" else cfg.prefill_tp + rank]
+        name = cfg.key_names()[rank if role == "prefill" else cfg.prefill_tp + rank]
         config = node_config(cfg, self.keyrings[name])
         if role == "prefill":
             pages, page_size = cfg.prefill_pages, cfg.prefill_page

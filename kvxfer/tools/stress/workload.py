@@ -38,6 +38,7 @@ REQUEST_FAULTS = (
 )
 LINK_FAULTS = ("late_write", "duplicate_write", "flip_byte", "slow_link")
 CHURN_KINDS = ("kill", "join", "leave")  # SIGKILL and restart; a process more; one retired cleanly
+ROLES = ("prefill", "decode")
 MAX_FLEET = 16  # processes per role at the start of a fleet run
 ALL_FAULTS = REQUEST_FAULTS + LINK_FAULTS
 _LINK_RATE_NAMES = {
@@ -199,6 +200,19 @@ class StressConfig:
 
     def link_faults(self) -> dict[str, float]:
         return {_LINK_RATE_NAMES[name]: self.faults.get(name, 0.0) for name in LINK_FAULTS}
+
+    def seats(self, role: str) -> int:
+        """A fleet's seats of a role: the processes it starts with, and room for ``max_joins`` more."""
+        return (self.prefills if role == "prefill" else self.decodes) + self.max_joins
+
+    def key_names(self) -> list[str]:
+        """One key pair per rank (a replaced prefill rank keeps its rank's key); a fleet's: one per seat
+        (every process in a seat uses its seat's key)."""
+        if self.fleet:
+            return [f"{role}{seat}" for role in ROLES for seat in range(self.seats(role))]
+        if not self.topology:
+            return ["prefill", "decode"]
+        return [f"prefill{p}" for p in range(self.prefill_tp)] + [f"decode{d}" for d in range(self.decode_tp)]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

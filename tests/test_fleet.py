@@ -89,12 +89,15 @@ def _transfer_to_node(prefill: PrefillEngine, node, rid: str) -> None:
     prefill.wait(rid)
 
 
-def test_a_decode_process_that_dies_is_forgotten_at_once_not_after_peer_timeout():
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_decode_process_that_dies_is_forgotten_at_once_not_after_peer_timeout(transport):
+    """tcp: the link's socket ends; shm: an idle link looks at its reader's process."""
     prefill = PrefillEngine(make_layout(64), EngineConfig(max_context=16 * PAGE_TOKENS, heartbeat_interval=0.2,
-                                                          peer_timeout=60.0, peer_expiry=600.0))
+                                                          peer_timeout=60.0, peer_expiry=600.0,
+                                                          transport=transport))
     node = None
     try:
-        node = _decode_node(prefill)
+        node = _decode_node(prefill, transport=transport)
         wait_for(lambda: prefill.peers.get(node.engine_id) is not None
                  and prefill.peers[node.engine_id].link is not None, what="the data link")
         _transfer_to_node(prefill, node, "before")
@@ -137,10 +140,11 @@ def test_a_decode_the_prefill_forgot_while_it_was_stopped_peers_again_by_itself(
         close_checked([prefill])
 
 
-def test_sending_threads_do_not_grow_with_peers_and_every_peer_gets_its_bytes():
-    prefill = PrefillEngine(make_layout(256), EngineConfig(max_context=4 * PAGE_TOKENS, heartbeat_interval=0.2))
-    decodes = [DecodeEngine(make_layout(16), EngineConfig(max_context=4 * PAGE_TOKENS, heartbeat_interval=0.2))
-               for _ in range(24)]
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_sending_threads_do_not_grow_with_peers_and_every_peer_gets_its_bytes(transport):
+    config = EngineConfig(max_context=4 * PAGE_TOKENS, heartbeat_interval=0.2, transport=transport)
+    prefill = PrefillEngine(make_layout(256), config)
+    decodes = [DecodeEngine(make_layout(16), config) for _ in range(24)]
     made = [prefill, *decodes]
     try:
         connected = []
@@ -151,8 +155,8 @@ def test_sending_threads_do_not_grow_with_peers_and_every_peer_gets_its_bytes():
         for t in threads:
             t.join()
         assert len(connected) == 24
-        senders = [t for t in threading.enumerate() if t.name.startswith("kvxfer-tcp-send")]
-        assert len(senders) == prefill.config.options("tcp").send_threads == 8
+        senders = [t for t in threading.enumerate() if t.name.startswith(f"kvxfer-{transport}-send")]
+        assert len(senders) == prefill.config.options(transport).send_threads == 8
         sources = {}
         for i, d in enumerate(decodes):  # every request posted before any is waited for: lanes interleave
             rid = f"r{i}"
@@ -172,7 +176,7 @@ def test_sending_threads_do_not_grow_with_peers_and_every_peer_gets_its_bytes():
                     assert np.array_equal(kv.buffer(b), prefill.layout.views()[b][sources[rid]])
             d.release(rid)
             prefill.wait(rid)
-        assert len([t for t in threading.enumerate() if t.name.startswith("kvxfer-tcp-send")]) == 8
+        assert len([t for t in threading.enumerate() if t.name.startswith(f"kvxfer-{transport}-send")]) == 8
     finally:
         close_checked(made)
 

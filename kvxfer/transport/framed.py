@@ -53,9 +53,6 @@ class RawJob:
     frame: list[Any]
 
 
-TICK = object()  # "no job, but look again" (a late frame fell due, or time to check the peer)
-
-
 class FrameLink(SenderLink):
     """The posting side and the bookkeeping of a link that sends frames from one thread."""
 

@@ -6,7 +6,7 @@ step of it (:meth:`Served.serve_step`: one job, or its end), and the link puts i
 the others if it has more. Threads do not grow with peers, and no peer waits for another's whole
 queue. A link with a timed wake-up (a late frame held by fault injection) is woken then.
 
-One watcher thread polls the sockets of every watched link for the receiver closing its end (EOF or
+With ``watch`` (links over sockets), one watcher thread polls the sockets of every watched link for the receiver closing its end (EOF or
 a reset: the decode's engine or process is gone, or it fenced the connection) and tells the link at
 once (:meth:`Served.peer_closed`), so a dead peer's link ends without waiting for a write to fail.
 
@@ -53,7 +53,7 @@ class Served(Protocol):
 class SendLanes:
     """``threads`` sending threads and one watcher thread, shared by the links of one transport."""
 
-    def __init__(self, name: str, *, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, name: str, *, threads: int = DEFAULT_THREADS, watch: bool = True) -> None:
         if threads <= 0:
             raise ValueError("a transport needs at least one sending thread")
         self.name = name
@@ -66,10 +66,12 @@ class SendLanes:
         self._watch_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._lane, name=f"kvxfer-{name}-send-{i}", daemon=True)
                          for i in range(threads)]
-        self._watcher = threading.Thread(target=self._watch_loop, name=f"kvxfer-{name}-watch", daemon=True)
+        self._watcher = (threading.Thread(target=self._watch_loop, name=f"kvxfer-{name}-watch", daemon=True)
+                         if watch else None)
         for thread in self._threads:
             thread.start()
-        self._watcher.start()
+        if self._watcher is not None:
+            self._watcher.start()
 
     # scheduling ------------------------------------------------------------------------------------
     def ready(self, link: Served) -> None:
@@ -172,7 +174,7 @@ class SendLanes:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=10)
-        if self._watcher is not threading.current_thread():
+        if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5)
         with self._watch_lock:
             self._selector.close()

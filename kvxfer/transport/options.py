@@ -38,6 +38,14 @@ class ShmOptions:
     # cache between the writer's and the reader's copy is the fastest (measured: 4 MiB beat 64 MiB)
     ring_bytes: int = field(default=4 << 20, metadata={"env": "KVXFER_SHM_RING_BYTES"})
     directory: str = field(default="/dev/shm", metadata={"env": "KVXFER_SHM_DIR"})  # where rings are created
+    # threads that put frames into the rings of every connection of a prefill (one ring at a time each)
+    send_threads: int = field(default=8, metadata={"env": "KVXFER_SHM_SEND_THREADS"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.send_threads, int) or self.send_threads < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"shm option 'send_threads' must be a positive integer, not {self.send_threads!r}")
 
 
 @dataclass
@@ -55,6 +63,14 @@ class VerbsOptions:
     # a request whose pages form more contiguous runs than this gets one window per buffer over the
     # whole buffer (still bound to its connection and invalidated with the request), not one per run
     window_max_runs: int = field(default=64, metadata={"env": "KVXFER_IB_WINDOW_MAX_RUNS"})
+    # threads that post and poll for every queue pair of a prefill (one queue pair is served by one at a time)
+    send_threads: int = field(default=8, metadata={"env": "KVXFER_IB_SEND_THREADS"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.send_threads, int) or self.send_threads < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"verbs option 'send_threads' must be a positive integer, not {self.send_threads!r}")
 
 
 OPTIONS: dict[str, type] = {"tcp": TcpOptions, "shm": ShmOptions, "verbs": VerbsOptions}

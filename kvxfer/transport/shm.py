@@ -4,8 +4,10 @@ What it owns: for every connection ``(writer engine, epoch)`` the decode offers,
 single-producer/single-consumer byte ring in a file under :attr:`ShmOptions.directory`
 (``/dev/shm`` by default), created by the decode (mode 0600, an unguessable name, its memory
 reserved up front with ``posix_fallocate`` so that no access can fault later), and the threads that
-move bytes through it: the decode's *landing thread* per ring (:class:`ShmReceiver`) and the
-prefill's *sending thread* per link (:class:`ShmLink`).
+move bytes through it: the decode's *landing thread* per ring (:class:`ShmReceiver`) and, on the
+prefill, the transport's sending lanes (:class:`~kvxfer.transport.lanes.SendLanes`) that serve every
+link (:class:`ShmLink`) a step at a time; an idle link looks at its reader's state and process
+every :data:`IDLE_CHECK` seconds, so a decode that is gone ends its link without a write.
 
 Ring layout (all integers little-endian u64, each word on its own 64-byte line)::
 
@@ -136,7 +138,8 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import TICK, FrameLink, OrderedJob, WriteJob
+from .framed import FrameLink, OrderedJob, WriteJob
+from .lanes import SendLanes
 from .options import ShmOptions
 
 log = logging.getLogger("kvxfer.shm")
@@ -776,15 +779,20 @@ class _Fenced(Exception):
 
 
 class ShmLink(FrameLink):
-    """The writer's half of one connection: a sending thread that puts frames into the decode's ring.
+    """The writer's half of one connection: puts frames into the decode's ring, from the transport's lanes.
 
     Mirrors :class:`~kvxfer.transport.tcp.TcpLink`: jobs for writes, ordered messages and raw frames
     are handled in order; fault injection hooks act on the same frames."""
 
     def __init__(self, layout: KVLayout, ring: _Ring, *, connect: m.Connect,
-                 on_closed: Callable[[ShmLink, str], None], faults: FaultInjector | None = None,
+                 on_closed: Callable[[ShmLink, str], None], lanes: SendLanes, faults: FaultInjector | None = None,
                  checksum: Any = None, reader_pid: int | None = None) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
+        self._lanes = lanes
+        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
+        self._serving: threading.Thread | None = None
+        self._ended = threading.Event()
+        self._next_pid_check = 0.0
         self.layout = layout
         self.ring = ring
         self.address = f"shm:{ring.path}"
@@ -808,8 +816,8 @@ class ShmLink(FrameLink):
         except _Fenced as exc:
             self._release_ring()
             raise TransportError(f"shm ring {ring.path} was fenced before the writer connected") from exc
-        self._thread = threading.Thread(target=self._run, name="kvxfer-shm-send", daemon=True)
-        self._thread.start()
+        with self._cond:
+            self._kick()  # the first idle look at the reader
 
     # the ring ---------------------------------------------------------------------------------------------
     def _check_reader(self) -> None:
@@ -869,53 +877,78 @@ class ShmLink(FrameLink):
         if at > self._producer:
             self._publish(at - self._producer)
 
-    # the sending thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
-        reason = "closed"
+    # on the transport's sending lanes ---------------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self._scheduled and not self._ended.is_set():
+            self._scheduled = True
+            self._lanes.ready(self)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._kick()
+
+    def peer_closed(self, reason: str) -> None:  # pragma: no cover - shm links watch no socket
+        pass
+
+    def serve_step(self) -> None:
+        """One step on a lane: the next job; with none, a look at the reader (fenced? its process gone?);
+        the end of a closing link with nothing queued. Then back on the ready queue if there is more,
+        else a wake-up after :data:`IDLE_CHECK` (or when a held late frame falls due)."""
+        self._serving = threading.current_thread()
         try:
-            while True:
-                job = self._next_job()
-                if self.faults is not None:
-                    self.faults.wait_if_paused()
-                    for frame in self.faults.due_late():
-                        self._write_pieces(frame)
-                if job is None:
-                    break
-                if job is TICK:
-                    self._check_reader()
-                    continue
-                if isinstance(job, WriteJob):
-                    self._send_batch(job)
-                elif isinstance(job, OrderedJob):
-                    msg = job.msg() if callable(job.msg) else job.msg
-                    self._write_pieces([f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot,
-                                                        generation=job.gen)])
-                else:
-                    self._write_pieces(job.frame)
-                self.frames_sent += 1
+            self._step()
         except _Fenced as exc:
-            reason = str(exc)
+            self._end(str(exc))
         except KvxferError as exc:
             reason = f"send failed: {exc}"
             log.warning("shm connection %s: %s", self.conn_id, reason)
+            self._end(reason)
+        except BaseException as exc:
+            self._end(f"sending failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
-            self._shutdown(reason)
-
-    def _next_job(self) -> Any:
-        """The next job; ``TICK`` when a late frame fell due or it is time to look at the reader."""
+            self._serving = None
         with self._cond:
-            while not self._queue:
-                if self._closing or self._abort:
-                    return None
-                wait = IDLE_CHECK
-                due = self.faults.next_due() if self.faults is not None else None
-                if due is not None:
-                    wait = min(wait, due - time.monotonic())
-                    if wait <= 0:
-                        return TICK
-                if not self._cond.wait(wait):
-                    return TICK
-            return self._queue.popleft()
+            self._scheduled = False
+            if self._ended.is_set():
+                return
+            if self._queue or self._closing or self._abort:
+                self._kick()
+                return
+            due = self.faults.next_due() if self.faults is not None else None
+        when = time.monotonic() + IDLE_CHECK
+        self._lanes.wake_at(self, min(when, due) if due is not None else when)
+
+    def _step(self) -> None:
+        if self._abort:
+            raise _Fenced("link aborted")
+        if self.faults is not None:
+            self.faults.wait_if_paused()
+            for frame in self.faults.due_late():
+                self._write_pieces(frame)
+        with self._cond:
+            job = self._queue.popleft() if self._queue else None
+            finish = job is None and self._closing
+        if finish:
+            self._end("closed")
+            return
+        if job is None:  # the idle look
+            self._check_reader()
+            now = time.monotonic()
+            if self._reader_pid is not None and now >= self._next_pid_check:
+                self._next_pid_check = now + LIVENESS_AFTER
+                if not _pid_alive(self._reader_pid):
+                    raise _Fenced(f"the receiver's process {self._reader_pid} exited")
+            return
+        if isinstance(job, WriteJob):
+            self._send_batch(job)
+        elif isinstance(job, OrderedJob):
+            msg = job.msg() if callable(job.msg) else job.msg
+            self._write_pieces([f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot,
+                                                generation=job.gen)])
+        else:
+            self._write_pieces(job.frame)
+        self.frames_sent += 1
 
     def _send_batch(self, job: WriteJob) -> None:
         job.batch.wait_sources()
@@ -968,27 +1001,32 @@ class ShmLink(FrameLink):
         finally:
             self.ring.close()
 
-    def _shutdown(self, reason: str) -> None:
+    def _end(self, reason: str) -> None:
+        """The link ends (on the lane serving it), once: queued writes fail, the ring is released."""
+        if self._ended.is_set():
+            return
         self._fail_queued()
         self._release_ring()  # the producer position is final before CLOSED is stored
+        with self._cond:
+            self._ended.set()
         self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
         """Stop the link. With ``flush`` queued frames are put into the ring first; idempotent."""
         self._begin_close(flush)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-            if self._thread.is_alive():  # waiting for room the reader never makes: give up
-                self._abort = True
-                self._abort_word[0] = 1
-                self._thread.join(timeout=5)
+        if self._serving is threading.current_thread():
+            return  # called back from this link's own step (on_closed): it ends when the step returns
+        if not self._ended.wait(10):  # waiting for room the reader never makes: give up
+            self._abort = True
+            self._abort_word[0] = 1
+            self._ended.wait(5)
 
     def abort_connection(self) -> None:
         """Drop the connection at once (a crashed writer): nothing more is put into the ring."""
         self._abort = True
         self._abort_word[0] = 1
         with self._cond:
-            self._cond.notify_all()
+            self._kick()
 
 
 class ShmTransport(SenderTransport):
@@ -1002,6 +1040,7 @@ class ShmTransport(SenderTransport):
         self.layout = layout
         self.checksum = checksum
         self.options = options or ShmOptions()
+        self.lanes = SendLanes("shm", threads=self.options.send_threads, watch=False)
 
     def connect(self, request: LinkRequest) -> ShmLink:
         offer = decode_offer(request.blob)
@@ -1010,11 +1049,15 @@ class ShmTransport(SenderTransport):
         try:
             connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
             return ShmLink(self.layout, ring, connect=connect, on_closed=request.on_closed, faults=request.faults,
-                           checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None)
+                           checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None,
+                           lanes=self.lanes)
         except BaseException:
             if not ring.mm.closed:
                 ring.close()
             raise
+
+    def close(self) -> None:
+        self.lanes.close()
 
 
 def _open_ring(path: str, size: int) -> _Ring:

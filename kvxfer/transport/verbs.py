@@ -66,6 +66,7 @@ from .base import (
     SenderTransport,
     TransportFactory,
 )
+from .lanes import SendLanes
 from .options import VerbsOptions
 from .verbs_windows import ReceiverWindows, WindowTable
 
@@ -75,6 +76,7 @@ SQ_DEPTH = 1024
 RQ_DEPTH = 256
 CQ_DEPTH = 2048
 SIGNAL_EVERY = 32
+POLL_AGAIN_S = 0.0002  # a link with writes in flight and nothing to post polls its completions again after this
 POLL_BATCH = 256
 RECORD = np.dtype([("wr_id", "<u8"), ("status", "<u4"), ("opcode", "<u4"), ("byte_len", "<u4"),
                    ("imm", "<u4"), ("wc_flags", "<u4"), ("qp_num", "<u4")])
@@ -775,7 +777,7 @@ class VerbsLink(SenderLink):
 
     def __init__(self, layout: KVLayout, device: VerbsDevice, offer: bytes, *, engine: str, epoch: int,
                  send_control: Callable[[m.Message], None], on_closed: Callable[[VerbsLink, str], None],
-                 faults: Any = None) -> None:
+                 lanes: SendLanes, faults: Any = None) -> None:
         info = decode_blob(offer, "OFFER", ("epoch", "qpn", "psn", "gid", "mtu", "addrs", "rkeys"))
         if info["epoch"] != epoch:
             raise ProtocolError(f"verbs OFFER blob for epoch {info['epoch']} arrived as epoch {epoch}")
@@ -808,8 +810,10 @@ class VerbsLink(SenderLink):
         self.bytes_sent = 0
         self.wrs_posted = 0
         self.post_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="kvxfer-verbs-send", daemon=True)
-        self._thread.start()
+        self._lanes = lanes
+        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
+        self._serving: threading.Thread | None = None
+        self._ended = threading.Event()
 
     @property
     def alive(self) -> bool:
@@ -830,39 +834,78 @@ class VerbsLink(SenderLink):
             if not self._alive or self._closing:
                 raise TransportError(f"verbs connection epoch {self.epoch} is closed")
             self._queue.append(job)
-            self._cond.notify()
+            self._kick()
 
-    # the sending thread ----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        reason = "closed"
+    # on the transport's sending lanes ------------------------------------------------------------------------
+    def _kick(self) -> None:
+        """Under ``_cond``: schedule a step unless one is scheduled or the link ended."""
+        if not self._scheduled and not self._ended.is_set():
+            self._scheduled = True
+            self._lanes.ready(self)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._kick()
+
+    def peer_closed(self, reason: str) -> None:  # pragma: no cover - verbs links watch no socket
+        pass
+
+    def serve_step(self) -> None:
+        """One pass on a lane: release late writes that fell due, post the next job (if the send queue
+        has room), reap completions, send the ordered messages they allow. Then: another step at once
+        when a job can be posted, a poll ``POLL_AGAIN_S`` later while writes are in flight, nothing when
+        idle (a post schedules the next step)."""
+        self._serving = threading.current_thread()
+        reason = None
         try:
-            while True:
-                with self._cond:
-                    busy = self._queue or self._inflight or self._ordered or self._held
-                    if not busy and self._closing:
-                        break
-                    if not busy:
-                        self._cond.wait(0.05)
-                        continue
-                    job = self._queue.popleft() if self._queue and self._outstanding < SQ_DEPTH - 64 else None
-                if self._held:
-                    self._release_held(force=self._closing)
-                if job is not None:
-                    if self.faults is not None:
-                        self.faults.wait_if_paused()
-                    self._do(job)
-                failure = self._reap()
-                if failure:
-                    reason = failure
-                    break
-                self._flush_ordered()
-                if job is None and (self._inflight or self._ordered or self._held):
-                    time.sleep(0.0002)
+            reason = self._step()
         except Exception as exc:
-            log.exception("verbs send thread failed")
+            log.exception("verbs send step failed")
             reason = f"send thread failed: {exc}"
         finally:
+            self._serving = None
+        if reason is not None:
+            self._end(reason)
+            return
+        with self._cond:
+            self._scheduled = False
+            if self._ended.is_set():
+                return
+            postable = self._queue and self._outstanding < SQ_DEPTH - 64
+            busy = self._queue or self._inflight or self._ordered or self._held
+            if postable or (self._closing and not busy):
+                self._kick()
+                return
+        if busy:
+            self._lanes.wake_at(self, time.monotonic() + POLL_AGAIN_S)
+
+    def _step(self) -> str | None:
+        """The body of one pass; the reason the link ends, or None."""
+        with self._cond:
+            busy = self._queue or self._inflight or self._ordered or self._held
+            if not busy:
+                return "closed" if self._closing else None
+            job = self._queue.popleft() if self._queue and self._outstanding < SQ_DEPTH - 64 else None
+        if self._held:
+            self._release_held(force=self._closing)
+        if job is not None:
+            if self.faults is not None:
+                self.faults.wait_if_paused()
+            self._do(job)
+        failure = self._reap()
+        if failure:
+            return failure
+        self._flush_ordered()
+        return None
+
+    def _end(self, reason: str) -> None:
+        if self._ended.is_set():
+            return
+        try:
             self._shutdown(reason)
+        finally:
+            with self._cond:
+                self._ended.set()
 
     def _do(self, job: Any) -> None:
         if job[0] == "ordered":
@@ -1056,8 +1099,10 @@ class VerbsLink(SenderLink):
                 pass
         if self.faults is not None:
             self.faults.resume()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        with self._cond:
+            self._kick()
+        if self._serving is not threading.current_thread():
+            self._ended.wait(30)
 
     def post_rate(self) -> float:
         """Work requests posted per second of posting time (the measured post rate)."""
@@ -1074,18 +1119,21 @@ class VerbsTransport(SenderTransport):
         self.layout = layout
         self.device = VerbsDevice(options, layout, remote_write=False)
         self._links: weakref.WeakSet[VerbsLink] = weakref.WeakSet()
+        self.lanes = SendLanes("verbs", threads=options.send_threads, watch=False)
 
     def connect(self, request: LinkRequest) -> VerbsLink:
         link = VerbsLink(self.layout, self.device, request.blob, engine=request.engine, epoch=request.epoch,
-                         send_control=request.send_control, on_closed=request.on_closed, faults=request.faults)
+                         send_control=request.send_control, on_closed=request.on_closed, faults=request.faults,
+                         lanes=self.lanes)
         self._links.add(link)
         return link
 
     def close(self) -> None:
-        """Close every link still running (their queue pairs go first), then the device: a link's thread
-        polling a completion queue of a closed device would crash the process."""
+        """Close every link still running (their queue pairs go first), then the sending lanes, then the
+        device: a lane polling a completion queue of a closed device would crash the process."""
         for link in list(self._links):
             link.close(flush=False)
+        self.lanes.close()
         self.device.close()
 
 

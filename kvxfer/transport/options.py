@@ -10,6 +10,15 @@ which :meth:`EngineConfig.from_env` reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def _check_threads(transport: str, value: Any) -> None:
+    """A transport's ``send_threads``: a positive integer, else ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{transport} option 'send_threads' must be a positive integer, not {value!r}")
 
 
 @dataclass
@@ -24,10 +33,7 @@ class TcpOptions:
     send_threads: int = field(default=8, metadata={"env": "KVXFER_TCP_SEND_THREADS"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.send_threads, int) or self.send_threads < 1:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"tcp option 'send_threads' must be a positive integer, not {self.send_threads!r}")
+        _check_threads("tcp", self.send_threads)
 
 
 @dataclass
@@ -42,10 +48,7 @@ class ShmOptions:
     send_threads: int = field(default=8, metadata={"env": "KVXFER_SHM_SEND_THREADS"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.send_threads, int) or self.send_threads < 1:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"shm option 'send_threads' must be a positive integer, not {self.send_threads!r}")
+        _check_threads("shm", self.send_threads)
 
 
 @dataclass
@@ -67,10 +70,7 @@ class VerbsOptions:
     send_threads: int = field(default=8, metadata={"env": "KVXFER_IB_SEND_THREADS"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.send_threads, int) or self.send_threads < 1:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"verbs option 'send_threads' must be a positive integer, not {self.send_threads!r}")
+        _check_threads("verbs", self.send_threads)
 
 
 OPTIONS: dict[str, type] = {"tcp": TcpOptions, "shm": ShmOptions, "verbs": VerbsOptions}

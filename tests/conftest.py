@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -157,12 +158,51 @@ def needs(pair: Any, capability: str) -> None:
         pytest.skip(f"transport {pair.decode.config.transport} has no {capability}")
 
 
+LAYERS = ((0, 1), (2,))  # the "layers" of make_layout's BUFFERS buffers for layer-wise sends: K+V, and one more
+
+
+def send_layerwise(prefill: PrefillEngine, *, seed: int = 0) -> None:
+    """Make every ``prefill.send(...)`` a layer-wise send: the same chunk, one real call per layer, the
+    layers in a new random order each time (seeded): ``send_layer(rid, layer, ...)`` for each layer
+    of the layout's geometry, or ``send(..., buffers=layer)`` for each of :data:`LAYERS` without one.
+    What the caller gets back is the last call's; an error comes from the first call that raises, as
+    a whole-request send's would."""
+    rng = random.Random(seed)
+    whole = type(prefill).send.__get__(prefill)
+    geometry = prefill.layout.geometry
+
+    def one_layer(rid: Any, src_pages: Any, layer: Any, kwargs: dict[str, Any]) -> Any:
+        if geometry is not None:
+            return prefill.send_layer(rid, layer, src_pages, **kwargs)
+        return whole(rid, src_pages, buffers=list(layer), **kwargs)
+
+    def send(rid: Any, src_pages: Any = None, **kwargs: Any) -> Any:
+        if kwargs.get("buffers") is not None:
+            return whole(rid, src_pages, **kwargs)
+        layers = list(geometry.layers if geometry is not None else LAYERS)
+        rng.shuffle(layers)
+        result = None
+        for layer in layers:
+            result = one_layer(rid, src_pages, layer, kwargs)
+        return result
+
+    prefill.send = send  # type: ignore[method-assign]
+
+
+@pytest.fixture(params=["whole", "layerwise"])
+def send_mode(request: pytest.FixtureRequest) -> str:
+    """How the suite's prefills send: whole chunks, or each chunk layer by layer (:func:`send_layerwise`).
+    A module with ``usefixtures("send_mode")`` runs every test both ways (the ``engines`` pairs use it)."""
+    return request.param
+
+
 @pytest.fixture
 def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
     """Factory of connected (prefill, decode) pairs; every engine's accounting is checked at teardown.
     Over the test's ``transport`` when it uses that fixture, else tcp."""
     made: list[Any] = []
     default_transport = request.getfixturevalue("transport") if "transport" in request.fixturenames else "tcp"
+    layerwise = "send_mode" in request.fixturenames and request.getfixturevalue("send_mode") == "layerwise"
 
     def factory(
         *,
@@ -187,6 +227,8 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
         dcfg = replace(base, **{"keyring": rings["decode"], **(decode_config or {})})
         prefill = PrefillEngine(make_layout(prefill_pages), pcfg, faults=faults)
         made.append(prefill)
+        if layerwise:
+            send_layerwise(prefill, seed=len(made))
         decode = DecodeEngine(make_layout(decode_pages), dcfg)
         made.append(decode)
         peer = decode.connect(prefill.address)

@@ -26,7 +26,7 @@ from kvxfer.wire.auth import Keyring, split_address, z85_to_hex
 from .conftest import PAGE_TOKENS, fill_random, make_layout, needs, wait_for
 
 R, S = ReceiverState, SenderState
-pytestmark = pytest.mark.usefixtures("transport")  # every test runs over every registered transport
+pytestmark = pytest.mark.usefixtures("transport", "send_mode")  # every transport, whole and layer-wise sends
 
 
 @contextmanager

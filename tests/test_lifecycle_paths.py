@@ -17,7 +17,7 @@ from kvxfer.wire import messages as m
 from .conftest import PAGE_TOKENS, fill_random, make_layout, needs, wait_for
 
 R, S = ReceiverState, SenderState
-pytestmark = pytest.mark.usefixtures("transport")  # every test runs over every registered transport
+pytestmark = pytest.mark.usefixtures("transport", "send_mode")  # every transport, whole and layer-wise sends
 
 
 def test_normal_transfer_is_readable_and_exact(engines):

@@ -38,10 +38,16 @@ def made():
 
 
 @pytest.fixture
-def cluster(made, transport):
+def cluster(made, transport, request):
+    """Engines of a topology; a test marked :data:`LAYERWISE_TOO` runs again with layer-wise sends."""
+    layerwise = "send_mode" in request.fixturenames and request.getfixturevalue("send_mode") == "layerwise"
+
     def factory(**kw):
-        return build(transport=transport, made=made, **kw)
+        return build(transport=transport, made=made, layerwise=layerwise, **kw)
     return factory
+
+
+LAYERWISE_TOO = pytest.mark.usefixtures("send_mode")  # the 2-writer lifecycle, also over layer-wise sends
 
 
 TOPOLOGIES = [(2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 1), (1, 4)]
@@ -71,6 +77,7 @@ def test_unequal_page_sizes_map_tokens_onto_pages_with_a_partial_last_page(clust
     wait_for(c.all_free, timeout=5, what="every pool free")
 
 
+@LAYERWISE_TOO
 def test_chunked_sends_from_two_writers_complete_only_with_the_last_chunk_of_both(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.admit("c", 10 * 16)
@@ -84,6 +91,7 @@ def test_chunked_sends_from_two_writers_complete_only_with_the_last_chunk_of_bot
     c.expect_readable("c")
 
 
+@LAYERWISE_TOO
 def test_mla_is_written_once_by_one_rank_and_verified(cluster):
     c = cluster(tp_prefill=2, tp_decode=1, mla=True, head_bytes=64)
     c.transfer("m", 40, seed=4)
@@ -99,6 +107,7 @@ def test_mla_is_written_once_by_one_rank_and_verified(cluster):
     c2.expect_readable("m")
 
 
+@LAYERWISE_TOO
 def test_abort_quarantines_until_every_writer_proved_its_drain(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.admit("a", 20 * 16)
@@ -121,6 +130,7 @@ def test_abort_quarantines_until_every_writer_proved_its_drain(cluster):
     assert [r.state for r in c.wait_prefills("a")] == [S.ABORTED, S.ABORTED]
 
 
+@LAYERWISE_TOO
 def test_a_writer_that_never_drains_is_fenced_and_only_then_are_the_pages_free(cluster):
     c = cluster(tp_prefill=2, tp_decode=1, decode_config={"drain_timeout": 0.5})
     c.admit("h", 8 * 16)
@@ -142,6 +152,7 @@ def test_a_writer_that_never_drains_is_fenced_and_only_then_are_the_pages_free(c
     c.expect_readable("next")
 
 
+@LAYERWISE_TOO
 def test_one_writer_dying_fails_the_request_and_the_other_writer_is_stopped(cluster, made):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.needs("sees_disconnect")  # verbs: a dead writer is found by its silence (test_verbs.py)
@@ -159,6 +170,7 @@ def test_one_writer_dying_fails_the_request_and_the_other_writer_is_stopped(clus
     assert decode.pool.ledger.free_count == decode.layout.num_pages
 
 
+@LAYERWISE_TOO
 def test_a_decode_rank_aborting_stops_the_writer_for_every_rank(cluster):
     """Prefill TP 1 into decode TP 2: one decode rank's abort fails the prefill's request, and the
     other decode rank is told at once (a writer ABORT behind the writes) instead of timing out."""
@@ -176,6 +188,7 @@ def test_a_decode_rank_aborting_stops_the_writer_for_every_rank(cluster):
     wait_for(c.all_free, timeout=5, what="every pool free")
 
 
+@LAYERWISE_TOO
 def test_a_late_write_from_either_writer_lands_nowhere(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.needs("raw_frames")
@@ -204,6 +217,7 @@ def _slice_write(c, writer: int, req, leg, offset: int, length: int, fill: int =
     c.prefills[writer].peers[c.decodes[0].engine_id].link.post_raw([header, runs, bytes([fill]) * length])
 
 
+@LAYERWISE_TOO
 def test_a_writer_cannot_write_the_other_writers_heads(cluster):
     c = cluster(tp_prefill=2, tp_decode=1, order="HND")
     c.needs("raw_frames")
@@ -225,6 +239,7 @@ def test_a_writer_cannot_write_the_other_writers_heads(cluster):
     c.expect_readable("s")
 
 
+@LAYERWISE_TOO
 def test_a_corrupted_slice_fails_verification_naming_its_writer(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.faults[1].flip_next_write()
@@ -239,6 +254,7 @@ def test_a_corrupted_slice_fails_verification_naming_its_writer(cluster):
     wait_for(c.all_free, timeout=5, what="every pool free")
 
 
+@LAYERWISE_TOO
 def test_a_done_claiming_a_slice_it_did_not_write_never_becomes_readable(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.needs("raw_frames")
@@ -258,6 +274,7 @@ def test_a_done_claiming_a_slice_it_did_not_write_never_becomes_readable(cluster
     wait_for(c.all_free, timeout=5, what="every pool free")
 
 
+@LAYERWISE_TOO
 def test_generations_are_per_writer_and_a_replayed_done_of_one_cannot_complete_the_next(cluster):
     c = cluster(tp_prefill=2, tp_decode=1)
     c.needs("raw_frames")

@@ -19,7 +19,7 @@ from kvxfer.core.geometry import KVGeometry, writers_of
 from kvxfer.transport.faults import FaultInjector
 from kvxfer.wire.auth import Keyring
 
-from .conftest import needs, wait_for
+from .conftest import needs, send_layerwise, wait_for
 
 R, S = ReceiverState, SenderState
 
@@ -162,8 +162,9 @@ def build(*, tp_prefill: int, tp_decode: int, heads: int = 4, head_bytes: int = 
           order: str = "NHD", mla: bool = False, prefill_page: int = 16, decode_page: int = 16,
           prefill_pages: int = 64, decode_pages: int = 64, context: int | None = None, transport: str = "tcp",
           keyed: bool = True, made: list | None = None, decode_config: dict | None = None,
-          prefill_config: dict | None = None) -> Cluster:
-    """Start the engines (appended to ``made`` as they start, so a fixture closes them) and peer them."""
+          prefill_config: dict | None = None, layerwise: bool = False) -> Cluster:
+    """Start the engines (appended to ``made`` as they start, so a fixture closes them) and peer them.
+    With ``layerwise`` every prefill rank sends each chunk layer by layer (:func:`send_layerwise`)."""
     made = made if made is not None else []
     context = context or min(prefill_pages * prefill_page, decode_pages * decode_page)
     names = [f"prefill{p}" for p in range(tp_prefill)] + [f"decode{d}" for d in range(tp_decode)]
@@ -180,6 +181,8 @@ def build(*, tp_prefill: int, tp_decode: int, heads: int = 4, head_bytes: int = 
                          **(prefill_config or {}))
         prefills.append(PrefillEngine(layout, config, faults=injector))
         made.append(prefills[-1])
+        if layerwise:
+            send_layerwise(prefills[-1], seed=p)
         faults.append(injector)
     for d in range(tp_decode):
         layout = KVLayout.allocate(num_pages=decode_pages, page_size=decode_page, geometry=geometry(

@@ -103,6 +103,16 @@ def page_array(pages: Any, *, num_pages: int, rid: Any, what: str = "page list")
     return array
 
 
+def describe_buffers(buffers: np.ndarray) -> str:
+    """A short name for a group of buffer indices: ``0-3``, ``4, 5``, ``0, 1, 2, ... (12)``."""
+    values = [int(b) for b in buffers]
+    if len(values) > 2 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    if len(values) > 6:
+        return ", ".join(map(str, values[:3])) + f", ... ({len(values)})"
+    return ", ".join(map(str, values))
+
+
 def check_count(count: Any, total: int, rid: Any, generation: int | None) -> int:
     """A chunk size for ``send(count=...)``: an integer in ``[1, total]`` (the request's pages). A
     fixed chunk size larger than what is left sends what is left, as chunked senders expect."""

@@ -162,6 +162,19 @@ class KVGeometry:
     def order(self) -> str:
         return self.buffers[0].order
 
+    @property
+    def layers(self) -> list[int]:
+        """The layers the buffers hold, in first-buffer order."""
+        return list(dict.fromkeys(b.layer for b in self.buffers))
+
+    def layer_buffers(self, layer: int) -> list[int]:
+        """The indices of the buffers of ``layer`` (its K and V, or its latent): one layer-wise send."""
+        found = [i for i, b in enumerate(self.buffers) if b.layer == layer]
+        if not found:
+            raise ConfigError(f"the layout has no buffer of layer {layer!r} (layers {self.layers[0]}.."
+                              f"{self.layers[-1]})")
+        return found
+
     def check_items(self, page_size: int, item_lens: Sequence[int]) -> None:
         """Raise unless the geometry describes exactly these buffers' bytes per page."""
         if len(item_lens) != len(self.buffers):

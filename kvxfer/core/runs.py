@@ -107,17 +107,19 @@ def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, 
 
 
 def build_batch(
-    layout: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray, *, slot: int, gen: int
+    layout: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray, *, slot: int, gen: int,
+    buffers: np.ndarray | None = None,
 ) -> WriteBatch:
-    """All buffers' runs for a chunk, offsets relative to each buffer's base."""
+    """The runs of a chunk in every buffer (or in ``buffers``, sorted: a layer-wise send), offsets
+    relative to each buffer's base."""
     src_start, dst_start, count = coalesce(src_pages, dst_pages)
-    nb = layout.num_buffers
-    items = np.repeat(layout.item_lens, len(count))
-    buffers = np.repeat(np.arange(nb, dtype=np.int64), len(count))
+    group = np.arange(layout.num_buffers, dtype=np.int64) if buffers is None else np.asarray(buffers, np.int64)
+    nb = group.size
+    items = np.repeat(np.asarray(layout.item_lens, dtype=np.int64)[group], len(count))
     return WriteBatch(
         slot=slot,
         gen=gen,
-        buffers=buffers,
+        buffers=np.repeat(group, len(count)),
         src_offsets=np.tile(src_start, nb) * items,
         dst_offsets=np.tile(dst_start, nb) * items,
         lengths=np.tile(count, nb) * items,

@@ -168,6 +168,12 @@ class LegRuns:
     lengths: np.ndarray
     units: np.ndarray
 
+    def only(self, buffers: np.ndarray) -> LegRuns:
+        """The runs of ``buffers`` only (a layer-wise send), in the same order."""
+        keep = np.isin(self.buffers, buffers)
+        return LegRuns(self.buffers[keep], self.src_offsets[keep], self.dst_offsets[keep], self.lengths[keep],
+                       self.units[keep])
+
 
 def chunk_runs(atoms: LegAtoms, first_page: int, src_ids: np.ndarray, dst_ids: np.ndarray,
                src_items: np.ndarray, dst_items: np.ndarray, head_bytes: np.ndarray) -> LegRuns:

@@ -5,7 +5,8 @@ What an operator sees (every name starts ``kvxfer_``, every series carries ``rol
 - ``transfers_total{outcome}``: requests by terminal state (``RELEASED``, ``SUCCEEDED``,
   ``REJECTED``, ``ABORTED``, ``FAILED``) and ``transfer_seconds``: admission to verified (decode)
   or admission to the receiver's verdict (prefill), a histogram;
-- ``bytes_total{direction}``: bytes landed (decode) or posted (prefill);
+- ``bytes_total{direction}``: bytes landed (decode) or posted (prefill); ``layer_sends_total``
+  (prefill): sends of some buffers only (layer-wise sends);
 - ``rejections_total{reason}``, ``aborts_total{cause}``, ``verification_failures_total{check}``;
 - ``pages{state}`` and ``quarantined_pages``: the ledger right now;
 - ``fences_total``, ``writes_refused_total{reason}`` (stale generation, outside the window ...),
@@ -166,6 +167,9 @@ class _Snapshot:
         yield moved
 
         if role == "prefill":
+            layers = counter("layer_sends", "sends of some buffers only (a layer, as the forward computed it)", [])
+            layers.add_metric([role], stats.get("layer_sends", 0))
+            yield layers
             inflight = gauge("inflight_writes", "writes posted and not yet completed")
             inflight.add_metric([role], sum(max(0, r.posted - r.completed) for r in active))
             yield inflight

@@ -488,12 +488,39 @@ class PrefillEngine(EngineBase):
         return self.sender.source_pages(rid)
 
     def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None, aux: bytes = b"",
-             ready: Any = None) -> SendRequest:
-        """Post the next chunk (default: everything left); the final chunk posts DONE behind it.
-        ``ready`` (e.g. a CUDA event recorded after the kernel that writes the source pages) is
-        waited on before the transport reads them."""
+             ready: Any = None, buffers: Any = None, finish: bool = True, at: int | None = None) -> SendRequest:
+        """Post the next chunk (default: everything left); the chunk that completes the request posts
+        DONE behind it (unless ``finish=False``: then :meth:`finish` does). ``ready`` (e.g. a CUDA event
+        recorded after the kernel that writes the source pages) is waited on before the transport
+        reads them. ``buffers``: only these buffers (a layer-wise send, :meth:`send_layer`); each
+        buffer advances through the pages on its own. ``at``: refuse unless the buffers are at that
+        position (see :meth:`kvxfer.engine.sender.Sender.send`)."""
         self._check_open()
-        return self.sender.send(rid, src_pages, count=count, aux=aux, ready=ready)
+        return self.sender.send(rid, src_pages, count=count, aux=aux, ready=ready, buffers=buffers, finish=finish,
+                                at=at)
+
+    def finish(self, rid: Any, aux: bytes = b"") -> SendRequest:
+        """Post DONE, with ``aux``, for a request whose pages were all sent with ``finish=False``."""
+        self._check_open()
+        return self.sender.finish(rid, aux)
+
+    def send_layer(self, rid: Any, layer: int, src_pages: Any = None, *, count: int | None = None,
+                   aux: bytes = b"", ready: Any = None, finish: bool = True, at: int | None = None) -> SendRequest:
+        """Send one layer's buffers (its K and V, or its MLA latent) of the next chunk, as soon as that
+        layer is computed; ``ready`` is that layer's own event. Layers go in any order and any number
+        of chunks; the call after which every layer sent every page posts DONE. Needs a layout with a
+        :class:`~kvxfer.core.geometry.KVGeometry` (without one, name the buffers: ``send(buffers=...)``)."""
+        self._check_open()
+        geometry = self.layout.geometry
+        if geometry is None:
+            raise InvalidArgument("a layout without a geometry has no layers: send(rid, buffers=[...]) names "
+                                  "the buffers of a layer", rid=rid)
+        try:
+            buffers = geometry.layer_buffers(layer)
+        except ConfigError as exc:
+            raise InvalidArgument(exc.detail, rid=rid) from None
+        return self.sender.send(rid, src_pages, count=count, aux=aux, ready=ready, buffers=buffers, finish=finish,
+                                at=at)
 
     def refuse(self, rid: Any, reason: str = "aborted", detail: str = "the prefill gave up on the request") -> None:
         """Give up on a request not admitted here: a decode's destination for it gets REJECT at once."""

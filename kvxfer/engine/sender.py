@@ -42,7 +42,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..core.arguments import check_aux, check_count, check_peer, check_peers, check_rid, check_tokens, page_array
+from ..core.arguments import (
+    check_aux,
+    check_count,
+    check_peer,
+    check_peers,
+    check_rid,
+    check_tokens,
+    describe_buffers,
+    page_array,
+)
 from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages
 from ..core.geometry import KVGeometry, fanout, serves
 from ..core.ledger import PageState
@@ -217,8 +226,12 @@ class SendRequest:
     legs: list[SendLeg] = field(default_factory=list)
     fanout: int = 1  # destinations the request waits for (known when its first leg binds)
     src_count: int = 0  # source pages the request sends (its tokens in this engine's pages)
-    sent: int = 0
-    src_sent: list[np.ndarray] = field(default_factory=list)
+    sent: int = 0  # positions (request pages) every buffer has sent
+    # per buffer: positions sent (a send names a group of buffers, a layer, or all of them); and the
+    # source page at each position, fixed by the first group that sent it (-1: not yet). None before
+    # the first send.
+    buffer_sent: np.ndarray | None = None
+    order: np.ndarray | None = None
     deadline: float = float("inf")
     error: KvxferError | None = None
     placeholder: bool = False
@@ -759,14 +772,28 @@ class Sender:
             return self._lookup(rid).pages
 
     def send(self, rid: Any, src_pages: Any = None, *, count: int | None = None,
-             aux: bytes = b"", ready: Any = None) -> SendRequest:
-        """Post writes for the next chunk of the request; the chunk that reaches the end posts DONE.
+             aux: bytes = b"", ready: Any = None, buffers: Any = None, finish: bool = True,
+             at: int | None = None) -> SendRequest:
+        """Post writes for the next chunk of the request; the chunk that completes it posts DONE.
+
+        ``buffers`` names the buffers the chunk covers (a layer's K and V, as soon as that layer is
+        computed); default: every buffer. Each buffer advances on its own through the request's pages
+        (positions), in any order of groups and any number of calls; the buffers of one call must be
+        at the same position. The source page of a position is fixed by the first group that sends
+        it: another group sending that position must name the same page. DONE follows the call after
+        which every buffer has sent every position; its checksum is the whole request's (buffer by
+        buffer, positions in order) however the request was split.
 
         ``src_pages`` are the chunk's source pages: the caller's own with ``external_pages``,
-        otherwise pages this request holds and has not sent yet. Without them the chunk is the
-        next ``count`` held pages (``count`` in [1, pages left]; default: all left). ``ready`` (a
-        CUDA event or anything with ``wait()``) is waited on before the source pages are read.
-        Every destination gets the chunk (its pages, or its heads' slice of them).
+        otherwise pages this request holds and has not sent before (for those buffers). Without them
+        the chunk is the next ``count`` held pages (``count`` in [1, pages left]; default: all left).
+        ``ready`` (a CUDA event or anything with ``wait()``) is waited on before the source pages are
+        read. Every destination gets the chunk (its pages, or its heads' slice of them).
+        ``finish=False``: this call never posts DONE, even when it completes the request; DONE then
+        waits for :meth:`finish` (an engine whose DONE carries data computed after the last layer).
+        ``at``: the position the caller means the chunk to start at; refused (nothing posted) if the
+        buffers are elsewhere, checked under the same lock as the send (a caller that read the
+        positions before may have been overtaken).
         Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
             req = self._lookup(rid)
@@ -775,24 +802,46 @@ class Sender:
                 raise TransferFailed(f"cannot send in state {req.state.value}{why}", reason="state",
                                      rid=rid, generation=req.gen or None)
             total = req.total_pages
-            remaining = total - req.sent
+            group = self._buffer_group(req, buffers)
+            if req.buffer_sent is None:
+                req.buffer_sent = np.zeros(self.layout.num_buffers, dtype=np.int64)
+                req.order = np.full(total, -1, dtype=np.int64)
+            positions = req.buffer_sent[group]
+            if (positions != positions[0]).any():
+                raise InvalidArgument(
+                    f"buffers {describe_buffers(group)} are at different positions "
+                    f"({', '.join(f'buffer {b}: {int(p)}' for b, p in zip(group[:8], positions[:8]))}): send "
+                    "them in separate calls", rid=rid, generation=req.gen)
+            start = int(positions[0])
+            if at is not None and start != at:
+                raise InvalidArgument(f"buffers {describe_buffers(group)} are at position {start}, not {at}",
+                                      rid=rid, generation=req.gen)
+            remaining = total - start
             aux = check_aux(aux, req.rid, req.gen)
             if src_pages is not None:
                 if count is not None:
                     raise InvalidArgument("give src_pages or count, not both", rid=rid, generation=req.gen)
-                chunk = self._check_chunk(req, src_pages)
+                chunk = self._check_chunk(req, src_pages, start)
             else:
                 # the placeholder's caller counts in the destination's pages (the incident's path)
                 limit = len(req.dst_pages) if req.placeholder and req.dst_pages is not None else total
-                take = remaining if count is None else min(check_count(count, limit, rid, req.gen), remaining)
-                chunk = req.pages[req.sent : req.sent + take]
+                if count is not None:
+                    count = check_count(count, limit, rid, req.gen)
+                if remaining <= 0:
+                    raise InvalidArgument(f"buffers {describe_buffers(group)} have sent all {total} pages",
+                                          rid=rid, generation=req.gen)
+                take = remaining if count is None else min(count, remaining)
+                chunk = req.pages[start : start + take]
             if chunk.size > remaining:
-                raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send",
+                raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send"
+                                      f"{'' if group.size == self.layout.num_buffers else ' in these buffers'}",
                                       rid=rid, generation=req.gen)
             if chunk.size:
-                final = req.sent + chunk.size == total
+                after = req.buffer_sent.copy()
+                after[group] = start + chunk.size
+                final = bool((after == total).all())
                 for leg in req.writing:
-                    batch = self._batch(req, leg, chunk, final)
+                    batch = self._batch(req, leg, chunk, start, group, final)
                     batch.ready = ready
                     self._sum_later(batch)
                     leg.posted += len(batch)
@@ -810,21 +859,70 @@ class Sender:
                         self._fail(req, TransferFailed(f"could not post writes to {leg.peer}: {exc}", reason="transport",
                                                        rid=rid, generation=req.gen), culprit=leg)
                         return req
-                req.src_sent.append(chunk)
-                req.sent += chunk.size
-            last = req.sent == total
-            if last and req.state in (S.TRANSFERRING, S.READY):
+                req.order[start : start + chunk.size] = chunk
+                req.buffer_sent = after
+                if group.size != self.layout.num_buffers:
+                    self.stats["layer_sends"] += 1
+                req.sent = int(after.min())
+            if finish and req.sent == total and req.state in (S.TRANSFERRING, S.READY):
                 self._post_done(req, aux)
             return req
 
-    def _batch(self, req: SendRequest, leg: SendLeg, chunk: np.ndarray, final: bool) -> WriteBatch:
-        """The chunk's writes to one leg: page for page, or the head slice's runs."""
+    def finish(self, rid: Any, aux: bytes = b"") -> SendRequest:
+        """Post DONE (with ``aux``) for a request whose every buffer has sent every page with
+        ``finish=False``. Raises :class:`InvalidArgument` while pages are left to send."""
+        with self.lock:
+            req = self._lookup(rid)
+            if req.state not in (S.READY, S.TRANSFERRING):
+                why = f": {req.error}" if req.error is not None else ""
+                raise TransferFailed(f"cannot finish in state {req.state.value}{why}", reason="state",
+                                     rid=rid, generation=req.gen or None)
+            aux = check_aux(aux, req.rid, req.gen)
+            total = req.total_pages
+            if req.sent != total:
+                raise InvalidArgument(f"cannot finish: {req.sent} of {total} pages sent in every buffer",
+                                      rid=rid, generation=req.gen)
+            self._post_done(req, aux)
+            return req
+
+    def _buffer_group(self, req: SendRequest, buffers: Any) -> np.ndarray:
+        """The buffers a send covers, sorted: every buffer, or the distinct indices the caller names."""
+        nb = self.layout.num_buffers
+        if buffers is None:
+            return np.arange(nb, dtype=np.int64)
+        try:
+            group = np.asarray(buffers)
+        except Exception as exc:
+            raise InvalidArgument(f"buffers is not a list of buffer indices: {exc}", rid=req.rid,
+                                  generation=req.gen) from None
+        if group.ndim == 0:
+            group = group.reshape(1)
+        if group.ndim != 1 or group.size == 0 or group.dtype.kind not in "iu":
+            raise InvalidArgument(f"buffers must be a non-empty list of buffer indices, not {buffers!r}"[:200],
+                                  rid=req.rid, generation=req.gen)
+        group = group.astype(np.int64)
+        bad = group[(group < 0) | (group >= nb)]
+        if bad.size:
+            raise InvalidArgument(f"buffer index {int(bad[0])} out of range [0, {nb})", rid=req.rid,
+                                  generation=req.gen)
+        if np.unique(group).size != group.size:
+            raise InvalidArgument("buffers names a buffer twice", rid=req.rid, generation=req.gen)
+        return np.sort(group)
+
+    def _batch(self, req: SendRequest, leg: SendLeg, chunk: np.ndarray, start: int, group: np.ndarray,
+               final: bool) -> WriteBatch:
+        """The chunk's writes to one leg for the buffers of ``group``: page for page, or the head
+        slice's runs. ``start``: the chunk's first position."""
+        every = group.size == self.layout.num_buffers
         if leg.atoms is None:
-            dst = leg.dst_pages[req.sent : req.sent + chunk.size]
-            batch = build_batch(self.layout, chunk, dst, slot=leg.slot, gen=leg.gen)
+            dst = leg.dst_pages[start : start + chunk.size]
+            batch = build_batch(self.layout, chunk, dst, slot=leg.slot, gen=leg.gen,
+                                buffers=None if every else group)
         else:
-            runs = chunk_runs(leg.atoms, req.sent, chunk, leg.dst_pages, self.layout.item_lens, leg.dst_item_lens,
+            runs = chunk_runs(leg.atoms, start, chunk, leg.dst_pages, self.layout.item_lens, leg.dst_item_lens,
                               np.array([b.head_bytes for b in self.layout.geometry.buffers], dtype=np.int64))
+            if not every:
+                runs = runs.only(group)
             batch = WriteBatch(slot=leg.slot, gen=leg.gen, buffers=runs.buffers, src_offsets=runs.src_offsets,
                                dst_offsets=runs.dst_offsets, lengths=runs.lengths, units=runs.units,
                                dst_item_lens=leg.dst_item_lens)
@@ -833,21 +931,34 @@ class Sender:
         batch.final = final
         return batch
 
-    def _check_chunk(self, req: SendRequest, src_pages: Any) -> np.ndarray:
-        """Explicit source pages: distinct, in range and, unless external, held by this request
-        and not sent before (another request's KV must never travel under this tag)."""
+    def _check_chunk(self, req: SendRequest, src_pages: Any, start: int) -> np.ndarray:
+        """Explicit source pages for positions ``start ..``: distinct, in range and, unless external,
+        held by this request; the pages other buffers already sent at those positions, and pages
+        not sent at any other position (another request's KV must never travel under this tag, and a
+        position holds one token range in every buffer)."""
         chunk = page_array(src_pages, num_pages=self.layout.num_pages, rid=req.rid, what="source pages")
         if chunk.size == 0:
             raise InvalidArgument("source page list is empty", rid=req.rid, generation=req.gen)
-        if req.external:
-            return chunk
-        foreign = chunk[~np.isin(chunk, req.pages)]
-        if foreign.size:
-            raise InvalidArgument("source pages not held by this request (admit with external_pages=True to "
-                                  "send pages of your own allocator)", rid=req.rid, generation=req.gen,
-                                  pages=foreign[:8])
-        if req.src_sent:
-            again = chunk[np.isin(chunk, np.concatenate(req.src_sent))]
+        if not req.external:
+            foreign = chunk[~np.isin(chunk, req.pages)]
+            if foreign.size:
+                raise InvalidArgument("source pages not held by this request (admit with external_pages=True to "
+                                      "send pages of your own allocator)", rid=req.rid, generation=req.gen,
+                                      pages=foreign[:8])
+        assert req.order is not None
+        known = req.order[start : start + chunk.size]
+        fixed = known >= 0
+        differ = fixed & (known != chunk[: known.size])
+        if differ.any():
+            at = int(np.flatnonzero(differ)[0])
+            raise InvalidArgument(
+                f"source page {int(chunk[at])} at position {start + at}, where other buffers sent page "
+                f"{int(known[at])}: every buffer of a position must come from the same page",
+                rid=req.rid, generation=req.gen, pages=chunk[differ][:8])
+        if not req.external:
+            fresh = chunk[: known.size][~fixed]
+            elsewhere = np.delete(req.order, np.arange(start, start + known.size))
+            again = fresh[np.isin(fresh, elsewhere[elsewhere >= 0])]
             if again.size:
                 raise InvalidArgument("source pages already sent", rid=req.rid, generation=req.gen, pages=again[:8])
         return chunk
@@ -883,7 +994,7 @@ class Sender:
         self._defer(compute)
 
     def _post_done(self, req: SendRequest, aux: bytes) -> None:
-        src = np.concatenate(req.src_sent) if req.src_sent else np.empty(0, dtype=np.int64)
+        src = req.order if req.order is not None else np.empty(0, dtype=np.int64)
         if req.state is S.READY:
             req.fsm.to(S.TRANSFERRING, "empty transfer")
         for leg in req.writing:

@@ -1,0 +1,210 @@
+"""Layer-wise sends (issue 26): a prefill sends each layer (a group of buffers) of a request's pages
+as soon as that layer is computed, in any order and any number of calls, over every registered
+transport. The decode completes only when every page of every buffer arrived under that generation,
+counted and checksummed, and DONE's checksum is bit-identical to a whole-request send's.
+
+The lifecycle and hostile suites (tests/test_lifecycle_paths.py, tests/test_hostile_peers.py, and the
+2-writer cases of tests/test_unequal_tp.py) run again over layer-wise sends (the ``send_mode``
+fixture); this file holds what only layer-wise sends have: order, partial layers, per-layer ready
+events, and the arguments a layer-wise caller can get wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer import DecodeEngine, EngineConfig, KVGeometry, KVLayout, PrefillEngine, ReceiverState, SenderState
+from kvxfer.core.checksum import ChecksumAlgo, checksum_pages
+from kvxfer.errors import InvalidArgument, TransferFailed
+
+from .conftest import PAGE_TOKENS, close_checked, fill_random, wait_for
+
+R, S = ReceiverState, SenderState
+pytestmark = pytest.mark.usefixtures("transport")
+
+
+def _admitted(pair, rid: str, pages: int, seed: int) -> np.ndarray:
+    pair.prefill.admit(rid, pages * PAGE_TOKENS - 5, peer=pair.decode.engine_id)
+    pair.decode.admit(rid, pages * PAGE_TOKENS - 5, peer=pair.peer)
+    pair.prefill.wait_ready(rid)
+    src = pair.prefill.source_pages(rid)
+    fill_random(pair.prefill.layout, src, seed)
+    return src
+
+
+def _claim(pair, rid: str) -> int:
+    return pair.decode.status(rid).legs[0].claim.checksum
+
+
+def test_layers_in_any_order_and_chunking_complete_only_when_every_buffer_has_every_page(engines):
+    pair = engines()
+    src = _admitted(pair, "lw", 20, seed=5)
+    landed = pair.decode.stats()["writes"]["landed_bytes"]
+    pair.prefill.send("lw", count=7, buffers=[2])  # the last "layer" first, in two chunks
+    pair.prefill.send("lw", buffers=[2])
+    pair.prefill.send("lw", count=3, buffers=[0, 1])
+    wait_for(lambda: pair.decode.stats()["writes"]["landed_bytes"] - landed == (20 + 3 * 2) * 1024,
+             what="the bytes of the layers sent so far")
+    assert pair.decode.status("lw").state is R.RESERVED  # DONE waits for every buffer
+    assert pair.prefill.status("lw").state is S.TRANSFERRING
+    pair.prefill.send("lw", buffers=[0, 1])
+    assert pair.decode.wait("lw").state is R.READABLE
+    pair.expect_content("lw", src)
+    assert pair.prefill.wait("lw").state is S.SUCCEEDED
+    pair.decode.release("lw")
+
+
+def test_layerwise_done_checksum_is_bit_identical_to_the_whole_requests(engines):
+    """The same bytes sent whole, and layer by layer in another order and other chunks: the decode
+    verifies both, DONE claims the same checksum, and it is the whole request's (buffer by buffer,
+    pages in order) read back from the source."""
+    pair = engines()
+    claims = {}
+    for rid, sends in (("whole", [{}]),
+                       ("layers", [{"buffers": [2], "count": 4}, {"buffers": [0, 1], "count": 9},
+                                   {"buffers": [2]}, {"buffers": [0, 1]}]),
+                       ("one-by-one", [{"buffers": [b]} for b in (1, 2, 0)])):
+        src = _admitted(pair, rid, 12, seed=9)  # the same bytes in every request
+        for kwargs in sends:
+            pair.prefill.send(rid, **kwargs)
+        assert pair.decode.wait(rid).state is R.READABLE
+        pair.expect_content(rid, src)
+        claims[rid] = _claim(pair, rid)
+        reference = checksum_pages(pair.prefill.layout, src, ChecksumAlgo(pair.prefill.config.checksum))
+        assert claims[rid] == reference, (rid, hex(claims[rid]), hex(reference))
+        pair.decode.release(rid)
+        pair.prefill.wait(rid)
+    assert len(set(claims.values())) == 1, claims
+
+
+def test_each_layer_leaves_only_after_its_own_ready_event_and_in_posting_order(engines):
+    """A layer posted before its compute finished waits for its event; a layer posted behind it does
+    not overtake it on the link (a link keeps posting order), so DONE still follows every write."""
+    pair = engines()
+    src = _admitted(pair, "ev", 8, seed=2)
+    layer0, layer1 = threading.Event(), threading.Event()
+    landed = pair.decode.stats()["writes"]["landed_bytes"]
+    pair.prefill.send("ev", buffers=[0, 1], ready=layer0)
+    time.sleep(0.2)
+    assert pair.decode.stats()["writes"]["landed_bytes"] == landed  # layer 0 still computing
+    layer0.set()
+    wait_for(lambda: pair.decode.stats()["writes"]["landed_bytes"] - landed == 2 * 8 * 1024,
+             what="layer 0's bytes once its event fired")
+    pair.prefill.send("ev", buffers=[2], ready=layer1)
+    time.sleep(0.2)
+    assert pair.decode.status("ev").state is R.RESERVED
+    assert pair.decode.stats()["writes"]["landed_bytes"] - landed == 2 * 8 * 1024
+    layer1.set()
+    assert pair.decode.wait("ev").state is R.READABLE
+    pair.expect_content("ev", src)
+    pair.decode.release("ev")
+
+
+def test_bad_layerwise_sends_are_refused_naming_the_request_and_post_nothing(engines):
+    pair = engines()
+    src = _admitted(pair, "bad", 6, seed=3)
+    posted = pair.prefill.sender.stats["writes_posted"]
+    for buffers, words in (([3], "out of range"), ([-1], "out of range"), ([0, 0], "twice"), ([], "non-empty"),
+                           ("k", "buffer indices"), ([[0]], "non-empty"), ([0.5], "non-empty")):
+        with pytest.raises(InvalidArgument, match=words) as err:
+            pair.prefill.send("bad", buffers=buffers)
+        assert "'bad'" in str(err.value)
+    assert pair.prefill.sender.stats["writes_posted"] == posted
+    pair.prefill.send("bad", src_pages=src[:2], buffers=[0])
+    with pytest.raises(InvalidArgument, match="different positions"):
+        pair.prefill.send("bad", buffers=[0, 1])  # buffer 0 is two pages ahead of buffer 1
+    with pytest.raises(InvalidArgument, match="same page"):
+        pair.prefill.send("bad", src_pages=src[1::-1], buffers=[1])  # the same positions from other pages
+    with pytest.raises(InvalidArgument, match="already sent"):
+        pair.prefill.send("bad", src_pages=src[[0]], buffers=[0])  # a page buffer 0 sent, at a new position
+    assert pair.prefill.sender.stats["writes_posted"] > posted  # the one good send
+    pair.prefill.send("bad", src_pages=src[2:], buffers=[0])
+    with pytest.raises(InvalidArgument, match="have sent all 6 pages"):
+        pair.prefill.send("bad", buffers=[0])
+    with pytest.raises(InvalidArgument, match=r"count 7 outside \[1, 6\]"):
+        pair.prefill.send("bad", count=7, buffers=[1, 2])
+    with pytest.raises(InvalidArgument, match="without a geometry has no layers"):
+        pair.prefill.send_layer("bad", 0)
+    with pytest.raises(InvalidArgument, match="buffers 1, 2 are at position 0, not 3"):
+        pair.prefill.send("bad", buffers=[1, 2], at=3)  # a caller that read the positions and was overtaken
+    assert pair.decode.status("bad").state is R.RESERVED
+    pair.prefill.send("bad", buffers=[1, 2], at=0)
+    assert pair.decode.wait("bad").state is R.READABLE
+    pair.expect_content("bad", src)
+    pair.decode.release("bad")
+
+
+def test_a_layer_sent_after_an_abort_is_refused_and_the_pages_wait_for_the_drain(engines):
+    pair = engines()
+    _admitted(pair, "ab", 10, seed=4)
+    pair.prefill.send("ab", buffers=[2])
+    pair.decode.abort("ab")
+    wait_for(lambda: pair.prefill.status("ab").fsm.terminal, what="the prefill's half ended")
+    with pytest.raises(TransferFailed, match="cannot send in state"):
+        pair.prefill.send("ab", buffers=[0, 1])
+    wait_for(lambda: pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages, what="pages back after the drain")
+    assert pair.decode.status("ab").state is R.ABORTED
+
+
+def _geometry_layout(pages: int, page_size: int, layers: int, rank: int = 0, tp: int = 1) -> KVLayout:
+    geometry = KVGeometry.attention(layers=layers, total_heads=4, head_dim=16, itemsize=2, dtype="bfloat16",
+                                    tp_rank=rank, tp_size=tp)
+    return KVLayout.allocate(num_pages=pages, page_size=page_size, geometry=geometry)
+
+
+def test_send_layer_sends_a_layers_k_and_v_and_refuses_a_layer_the_layout_lacks(transport):
+    config = EngineConfig(max_context=64 * 16, heartbeat_interval=0.2, transport=transport,
+                          **({"peer_timeout": 60.0} if transport == "verbs" else {}))
+    prefill = PrefillEngine(_geometry_layout(64, 16, layers=3), config)
+    decode = DecodeEngine(_geometry_layout(64, 16, layers=3), config)
+    try:
+        peer = decode.connect(prefill.address)
+        prefill.admit("g", 100, peer=decode.engine_id)
+        decode.admit("g", 100, peer=peer)
+        prefill.wait_ready("g")
+        src = prefill.source_pages("g")
+        fill_random(prefill.layout, src, 11)
+        assert prefill.layout.geometry.layer_buffers(1) == [1, 4]  # K of layer 1, V of layer 1
+        with pytest.raises(InvalidArgument, match="no buffer of layer 3"):
+            prefill.send_layer("g", 3)
+        for layer in (2, 0):
+            prefill.send_layer("g", layer)
+        sent = prefill.status("g").buffer_sent
+        assert sent.tolist() == [7, 0, 7, 7, 0, 7]
+        assert decode.status("g").state is R.RESERVED
+        prefill.send_layer("g", 1, count=3)
+        prefill.send_layer("g", 1)
+        assert decode.wait("g").state is R.READABLE
+        with decode.read("g") as kv:
+            for b in range(6):
+                assert np.array_equal(kv.buffer(b), prefill.layout.views()[b][src])
+        decode.release("g")
+        assert prefill.wait("g").state is S.SUCCEEDED
+    finally:
+        close_checked([prefill, decode])
+
+
+
+def test_done_can_wait_for_data_computed_after_the_last_layer(engines):
+    """SGLang's DONE carries the metadata row (the first output token), known only after the forward
+    that computed the last layer: the layers go with ``finish=False``, DONE with :meth:`finish`."""
+    pair = engines()
+    src = _admitted(pair, "fin", 6, seed=8)
+    pair.prefill.send("fin", buffers=[0, 1], finish=False)
+    with pytest.raises(InvalidArgument, match="cannot finish: 0 of 6 pages sent in every buffer"):
+        pair.prefill.finish("fin", aux=b"row")
+    pair.prefill.send("fin", buffers=[2], finish=False)  # every page of every buffer: DONE still held
+    time.sleep(0.2)
+    assert pair.decode.status("fin").state is R.RESERVED
+    assert pair.prefill.status("fin").state is S.TRANSFERRING
+    pair.prefill.finish("fin", aux=b"first token 42")
+    assert pair.decode.wait("fin").state is R.READABLE
+    assert pair.decode.status("fin").legs[0].aux == b"first token 42"
+    pair.expect_content("fin", src)
+    with pytest.raises(TransferFailed, match="cannot finish in state"):
+        pair.prefill.finish("fin")
+    pair.decode.release("fin")

@@ -157,6 +157,35 @@ def test_unsafe_legacy_negative_control_with_unequal_tp_reports_leaks(tmp_path, 
     assert f"FAIL: {report['leaked_pages']:,} leaked pages" in " ".join(proc.stdout.split())
 
 
+LAYERWISE = [("tcp", 1, 1), ("shm", 1, 1), ("tcp", 2, 1)]
+
+
+@pytest.mark.parametrize(("transport", "tp_prefill", "tp_decode"), LAYERWISE,
+                         ids=[f"{t}-p{p}d{d}" for t, p, d in LAYERWISE])
+def test_layerwise_sends_with_every_fault_leak_nothing_and_the_negative_control_still_leaks(
+        tmp_path, transport, tp_prefill, tp_decode):
+    """Issue 26: every chunk sent layer by layer, one layer per step, the layers of a request interleaved,
+    so aborts, kills, disconnects and link faults land between the layers of one request."""
+    topology = ["--prefill-tp", str(tp_prefill), "--decode-tp", str(tp_decode), "--head-bytes", "32"] \
+        if tp_prefill > 1 else []
+    proc, report, _ = _run(tmp_path, "--layerwise", "--all-faults", "0.06", "--seed", "4", "--transport", transport,
+                           *topology)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["layerwise"] is True and report["config"]["layerwise"] is True
+    assert report["leaked_pages"] == 0 and report["corrupted_pages"] == 0 and report["lost_pages"] == 0
+    assert report["rejected_succeeded"] == 0 and report["quarantined_at_end"] == 0
+    assert report["failed_unexpectedly"] == 0, report["unexpected_failure_reasons"]
+    assert report["completed"] > 0 and report["pages_checked"] > 0
+    fired = {name for name, count in report["faults"].items() if count}
+    assert {"abort_mid_transfer", "kill_sender", "flip_byte", "late_write"} <= fired, report["faults"]
+    text = " ".join(proc.stdout.split())
+    assert "layer-wise sends" in text and "PASS: no leaked, corrupted or lost pages" in text
+    if tp_prefill == 1:
+        control, creport, _ = _run(tmp_path, "--layerwise", "--unsafe-legacy", "--fault", "oversized=0.25",
+                                   "--seed", "4", "--transport", transport, "--requests", "80")
+        assert control.returncode != 0 and creport["leaked_pages"] > 0 and creport["ok"] is False
+
+
 def test_topology_options_are_checked_and_documented():
     from kvxfer.tools.cli import build_parser
 

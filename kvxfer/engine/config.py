@@ -89,6 +89,11 @@ class EngineConfig:
     peer_expiry: float = 300.0  # prefill: a peer silent this long (at least peer_timeout) is forgotten, socket closed
     result_timeout: float = 120.0  # prefill: RESULT must follow DONE within this, else the request fails
     max_pending_meta_bytes: int = 64 << 20  # prefill: bytes of destination page lists held per peer (pending)
+    # engine adapters (SGLang, vLLM): send each layer as the forward computes it, where the destination is
+    # known before the forward; prompts shorter than layerwise_min_tokens go whole (a send per layer costs
+    # more than the transfer it hides there: kvxfer bench --ttft measures the switch point)
+    layerwise: bool = True
+    layerwise_min_tokens: int = 1024
     extra: dict[str, Any] = field(default_factory=dict)  # free-form data for callers; no setting lives here
     _: KW_ONLY
     # deprecated spellings of transport_options["verbs"][...]: accepted with a DeprecationWarning
@@ -228,6 +233,8 @@ class EngineConfig:
             raise ConfigError(f"max_ordered_body must be between 4096 and {MAX_MESSAGE_BYTES} bytes")
         if self.max_peers <= 0:
             raise ConfigError("max_peers must be positive")
+        if self.layerwise_min_tokens < 0:
+            raise ConfigError("layerwise_min_tokens must be 0 or more")
         if self.max_pending_meta_bytes <= 0:
             raise ConfigError("max_pending_meta_bytes must be positive")
         for name in ("peer_expiry", "result_timeout"):

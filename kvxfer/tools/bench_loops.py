@@ -71,8 +71,11 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
 
 
 def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:
+    """The prefill half; ``posted_at``: each request's ``time.monotonic()`` as its send() was called (the
+    moment the data path takes over: a driver pairs it with the decode's ``readable_at``)."""
     pending: collections.deque[str] = collections.deque()
     failed = 0
+    posted_at: list[float] = []
     start = time.perf_counter()
     for rid, tokens in requests:
         while len(pending) >= concurrency:
@@ -82,6 +85,7 @@ def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) ->
                 failed += 1
         _admit(engine.admit, rid, tokens)
         engine.wait_ready(rid, timeout=600)
+        posted_at.append(time.monotonic())
         engine.send(rid)
         pending.append(rid)
     while pending:
@@ -91,4 +95,4 @@ def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) ->
             failed += 1
     links = [p.link for p in engine.peers.values() if p.link is not None]
     post_rate = max((link.post_rate() for link in links if hasattr(link, "post_rate")), default=0.0)
-    return {"seconds": time.perf_counter() - start, "failed": failed, "post_rate": post_rate}
+    return {"seconds": time.perf_counter() - start, "failed": failed, "post_rate": post_rate, "posted_at": posted_at}

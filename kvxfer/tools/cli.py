@@ -83,6 +83,7 @@ def _stress_config(args: argparse.Namespace, faults: dict[str, float]) -> Any:
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, kv_heads=args.kv_heads, head_bytes=args.head_bytes,
         prefill_page_size=args.prefill_page_size, decode_page_size=args.decode_page_size,
         prefills=args.prefills, decodes=args.decodes, churn=args.churn, max_joins=args.max_joins,
+        layerwise=args.layerwise,
     )
 
 
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the prompt length")
     stress.add_argument("--page-size", type=int, default=16, help="tokens per page")
     stress.add_argument("--layers", type=int, default=2, help="layers (two buffers each: K and V)")
+    stress.add_argument("--layerwise", action="store_true",
+                        help="send each chunk layer by layer (one send per layer and step, the layers of a request "
+                        "interleaved at random, each layer's chunks in order), so aborts, kills and link faults "
+                        "land between layers (default: whole chunks)")
     stress.add_argument("--item-len", type=int, default=1024,
                         help="bytes per page per buffer (one rank each side; with a topology: page size x the "
                         "rank's heads x --head-bytes)")
@@ -192,8 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "and peered ahead, against steady state and the handshake itself, on every transport "
                        "this machine runs unless --transport names one (checks on unless --checks off; "
                        "page default 64K)")
+    bench.add_argument("--small-requests", nargs="?", const="1,8,64", default=None, metavar="N,N,...",
+                       help="instead of throughput: per-request latency of requests of N pages (default 1,8,64), "
+                       "one in flight, beside NIXL and Mooncake where installed (checks on; pages of "
+                       "--page-bytes, default 4K and 64K)")
+    bench.add_argument("--requests", type=int, default=200, help="--small-requests: requests per round and size")
     bench.add_argument("--decodes", type=int, default=16, help="--first-request: fresh decode processes (at least 2)")
     bench.add_argument("--steady", type=int, default=8, help="--first-request: steady requests per decode")
+    ttft = bench.add_argument_group(
+        "--ttft", "instead of throughput: prefill start to the decode's READABLE for a modelled prefill of L layers, "
+        "layer-wise sends against whole-request, beside the compute-only floor (kvxfer/tools/bench/ttft.py)")
+    ttft.add_argument("--ttft", action="store_true", help="run the time-to-first-token bench (default: not run)")
+    ttft.add_argument("--ttft-tokens", default=None, metavar="N,N,...",
+                      help="prompt lengths (default 128,256,...,32768)")
+    ttft.add_argument("--model-params", type=float, default=8.0e9, help="model parameters (default 8e9)")
+    ttft.add_argument("--model-layers", type=int, default=32, help="layers (default 32)")
+    ttft.add_argument("--model-hidden", type=int, default=4096, help="hidden size, for attention FLOPs (default 4096)")
+    ttft.add_argument("--model-kv-heads", type=int, default=8, help="KV heads (default 8)")
+    ttft.add_argument("--model-head-dim", type=int, default=128, help="head dimension (default 128)")
+    ttft.add_argument("--flops", type=float, default=1.0e14, help="sustained FLOP/s of the prefill (default 1e14)")
+    ttft.add_argument("--ttft-page-size", type=int, default=64, help="tokens per page (default 64)")
+    ttft.add_argument("--layerwise-min-tokens", type=int, default=None,
+                      help="the switch point of the auto column (default: EngineConfig's layerwise_min_tokens)")
     bench.add_argument("--json", metavar="PATH", help="write every case and ratio as JSON (default: not written)")
     bench.set_defaults(func=_bench)
 
@@ -266,9 +291,45 @@ def _serve_toy(args: argparse.Namespace) -> int:
                            max_seconds=args.max_seconds))
 
 
+def _counts(text: str) -> list[int]:
+    """``"1,8,64"`` -> [1, 8, 64]; [] when any is not a positive integer."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        return []
+    return values if values and min(values) > 0 else []
+
+
+def _ttft(args: argparse.Namespace) -> int:
+    from ..engine import EngineConfig
+    from .bench.ttft import DEFAULT_TOKENS, TtftConfig, TtftModel, run_ttft
+
+    try:
+        tokens = [int(t) for t in args.ttft_tokens.split(",")] if args.ttft_tokens else list(DEFAULT_TOKENS)
+    except ValueError:
+        print(f"kvxfer bench: --ttft-tokens takes integers separated by commas, not {args.ttft_tokens!r}",
+              file=sys.stderr)
+        return 2
+    if not tokens or min(tokens) < 1 or args.model_layers < 1 or args.flops <= 0 or args.ttft_page_size < 1:
+        print("kvxfer bench: --ttft needs prompt lengths, layers, FLOP/s and a page size above 0", file=sys.stderr)
+        return 2
+    model = TtftModel(params=args.model_params, layers=args.model_layers, hidden=args.model_hidden,
+                      kv_heads=args.model_kv_heads, head_dim=args.model_head_dim, flops=args.flops)
+    switch = args.layerwise_min_tokens
+    if switch is None:
+        switch = EngineConfig.from_env(max_context=max(tokens)).layerwise_min_tokens
+    config = TtftConfig(model=model, tokens=sorted(set(tokens)), transport=args.engine["transport"],
+                        page_size=args.ttft_page_size, repeat=max(1, args.repeat if args.repeat != 5 else 3),
+                        checks="off" if args.checks == "off" else "on", layerwise_min_tokens=switch,
+                        transport_options=args.engine.get("transport_options") or {})
+    return run_ttft(config, json_path=args.json)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, run_bench
 
+    if args.ttft:
+        return _ttft(args)
     defaults = BenchConfig()
     transport = args.engine["transport"]
     total = _size(args.total) if args.total else (defaults.total_bytes if transport != "verbs" else 64 << 20)
@@ -289,7 +350,13 @@ def _bench(args: argparse.Namespace) -> int:
         first_request_steady=max(1, args.steady),
         # a transport named by the flag or KVXFER_TRANSPORT: that one; else every transport here
         first_request_transports=[transport] if args.transport or os.environ.get("KVXFER_TRANSPORT") else None,
+        small_requests=_counts(args.small_requests) if args.small_requests else None,
+        small_requests_count=max(2, args.requests),
     )
+    if config.small_requests is not None and not config.small_requests:
+        print(f"kvxfer bench: --small-requests takes page counts above 0 separated by commas, not "
+              f"{args.small_requests!r}", file=sys.stderr)
+        return 2
     if args.first_request and not args.page_bytes:
         config.page_sizes = [65536]
     if config.tp:

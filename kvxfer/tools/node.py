@@ -308,8 +308,19 @@ class _Node:
             oracle.fill(self.layout, req.pages, rid=rid, gen=req.gen, seed=seed)
         return _describe(req)
 
-    def rpc_send(self, rid: Any, count: int | None = None) -> dict[str, Any]:
-        return _describe(self.engine.send(rid, count=count))
+    def rpc_send(self, rid: Any, count: int | None = None, layer: int | None = None) -> dict[str, Any]:
+        """The next ``count`` pages (default: all left); with ``layer`` only that layer's buffers: by the
+        geometry's layers, or buffers ``2*layer`` and ``2*layer + 1`` (K and V) without one."""
+        if layer is None:
+            return _describe(self.engine.send(rid, count=count))
+        geometry = self.layout.geometry
+        buffers = geometry.layer_buffers(layer) if geometry is not None else [2 * layer, 2 * layer + 1]
+        req = self.engine.status(rid)
+        if req.buffer_sent is not None and (req.buffer_sent[buffers] >= req.total_pages).all():
+            return _describe(req)  # the writer sent this layer whole already (a legacy placeholder's one page)
+        if geometry is not None:
+            return _describe(self.engine.send_layer(rid, layer, count=count))
+        return _describe(self.engine.send(rid, count=count, buffers=buffers))
 
 
 def _plain(value: Any) -> Any:

@@ -10,7 +10,9 @@ install, no row and no ratio, and is listed under ``skipped`` in the JSON. ``--t
 size and checks setting, the same transfer with prefill TP ``P`` into decode TP 1 (:mod:`.tp`), reported
 as a ratio against the equal-TP case (unequal / equal). ``--first-request`` measures instead what the
 first request to a fresh decode pays, cold (peering on demand) and peered ahead, next to steady state
-and the handshake itself (:mod:`.first`). Speed targets are judged on the printed ratios, never by
+and the handshake itself (:mod:`.first`); ``--small-requests`` the per-request latency of requests of
+1, 8 and 64 pages beside NIXL's and Mooncake's (:mod:`.small`); ``--ttft`` the time from a modelled
+prefill's start to the decode's READABLE, layer-wise against whole-request (:mod:`.ttft`). Speed targets are judged on the printed ratios, never by
 timed unit tests.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);
@@ -74,6 +76,10 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
         from .first import run_first_request
 
         return run_first_request(config, json_path=json_path)
+    if config.small_requests:
+        from .small import run_small_requests
+
+        return run_small_requests(config, json_path=json_path)
 
     from rich.console import Console
     from rich.table import Table

@@ -44,6 +44,9 @@ class BenchConfig:
     first_request_decodes: int = 16  # fresh decode processes, cold and peered ahead in turn
     first_request_steady: int = 8  # steady requests on each pair after its first
     first_request_transports: list[str] | None = None  # None: every registered transport this machine runs
+    # --small-requests (kvxfer.tools.bench.small): per-request latency of requests of these many pages
+    small_requests: list[int] | None = None
+    small_requests_count: int = 200  # requests per round and size
 
 
 @dataclass
@@ -173,6 +176,7 @@ class KvxferSession(Session):
         self.round = 0
         self.post_rates: list[float] = []
         self.latencies: list[float] = []  # admit-to-READABLE seconds of every request of the counted rounds
+        self.data_latencies: list[float] = []  # send()-to-READABLE seconds (one request in flight at a time)
 
     def start(self) -> None:
         self.decode = spawn(self.decode_spec, stderr=self.node_log)
@@ -193,10 +197,17 @@ class KvxferSession(Session):
             raise RuntimeError(f"prefill half: {sent}")
         if sent.get("post_rate"):
             self.post_rates.append(sent["post_rate"])
+        readable, posted = received.get("readable_at") or [], sent.get("posted_at") or []
         if self.round > 1:  # the first round is the bench's uncounted warm-up
             self.latencies.extend(received.get("latencies", ()))
+            if self.config.concurrency == 1 and len(readable) == len(posted):  # request i is request i on both
+                self.data_latencies.extend(r - p for r, p in zip(readable, posted))
         # per-request latency, admission to READABLE (verified) on the decode side
         record_latency(self.result, self.latencies, self.per_request, "admit-to-READABLE")
+        if self.data_latencies:  # and from the prefill's send() to READABLE: the data path's share
+            ordered = sorted(self.data_latencies)
+            self.result.extra.update({"send_latency_p50_s": round(percentile(ordered, 50), 6),
+                                      "send_latency_p99_s": round(percentile(ordered, 99), 6)})
         return float(received["seconds"])
 
     def close(self, *, measure: bool = True) -> None:
@@ -315,7 +326,8 @@ class PeerSession(Session):
         self.rounds += 1
         if self.rounds > 1 and info.get("latencies"):  # the first round is the bench's uncounted warm-up
             self.latencies.extend(info["latencies"])
-            record_latency(self.result, self.latencies, self.request_pages)
+            record_latency(self.result, self.latencies, self.request_pages,
+                           "initialize_xfer-to-DONE" if self.args[0].startswith("nixl") else "batch_transfer_sync_write")
         return float(info["seconds"])
 
     def close(self, *, measure: bool = True) -> None:

@@ -134,23 +134,32 @@ def mooncake_target(pages: int, page_bytes: int, pool_pages: int) -> None:
 
 
 def mooncake_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    """Each round moves the pages as requests of ``request_pages``, each one or more
+    ``batch_transfer_sync_write`` calls of at most MOONCAKE_BATCH pages (synchronous: one request at a
+    time), and reports every request's latency beside the round's seconds."""
     engine = _mooncake()
     pool = _pool(pool_pages, page_bytes)
     engine.register_memory(pool.ctypes.data, pool.nbytes)
     rng = np.random.default_rng(2)
+    per_request = max(1, int(target.get("request_pages", pages)))
     _say({"ready": True})
     for _ in _commands():
         src = pool.ctypes.data + _picks(rng, pool_pages, pages).astype(np.int64) * page_bytes
         dst = target["base"] + _picks(rng, pool_pages, pages).astype(np.int64) * page_bytes
         lengths = [page_bytes] * MOONCAKE_BATCH
+        latencies: list[float] = []
         start = time.perf_counter()
-        for lo in range(0, pages, MOONCAKE_BATCH):
-            s, d = src[lo : lo + MOONCAKE_BATCH].tolist(), dst[lo : lo + MOONCAKE_BATCH].tolist()
-            rc = engine.batch_transfer_sync_write(target["session"], s, d, lengths[: len(s)])
-            if rc != 0:
-                _say({"error": f"batch_transfer_sync_write returned {rc}"})
-                sys.exit(4)
-        _say({"seconds": time.perf_counter() - start})
+        for first in range(0, pages, per_request):
+            began = time.perf_counter()
+            for lo in range(first, min(pages, first + per_request), MOONCAKE_BATCH):
+                hi = min(lo + MOONCAKE_BATCH, first + per_request, pages)
+                s, d = src[lo:hi].tolist(), dst[lo:hi].tolist()
+                rc = engine.batch_transfer_sync_write(target["session"], s, d, lengths[: len(s)])
+                if rc != 0:
+                    _say({"error": f"batch_transfer_sync_write returned {rc}"})
+                    sys.exit(4)
+            latencies.append(time.perf_counter() - began)
+        _say({"seconds": time.perf_counter() - start, "latencies": latencies})
 
 
 # NIXL -------------------------------------------------------------------------------------------

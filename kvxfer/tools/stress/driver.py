@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -81,6 +82,8 @@ class Live:
     sent: dict[int, int] = field(default_factory=dict)  # prefill rank -> source pages sent so far
     done_sending: set[int] = field(default_factory=set)
     sent_chunks: int = 0
+    # --layerwise: prefill rank -> the (layer, pages) sends still to make, one per step
+    layer_plan: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)  # decode rank -> (state, detail); READ: checked
     retry_at: float = 0.0
     started: float = 0.0
@@ -380,6 +383,8 @@ class StressDriver:
         self._finish(live, "rejected", exc.reason)
 
     def _send_chunk(self, live: Live) -> None:
+        """One step of sending: the next chunk on every prefill rank (with ``layerwise``: the next
+        layer of a chunk, so that faults fire between the layers of one request)."""
         plan = live.plan
         rid = plan.rid
         chunks = max(plan.chunks, 2 if plan.faults & {"abort_mid_transfer", "kill_sender", "client_disconnect"} else 1)
@@ -388,10 +393,17 @@ class StressDriver:
                 continue
             total = live.src_pages[p]
             per = max(1, -(-total // chunks))
-            info = self.ranks.prefill(p).send(rid=rid, count=per)
-            live.sent[p] = live.sent.get(p, 0) + per
+            if self.config.layerwise:
+                steps = live.layer_plan.setdefault(p, self._layer_steps(rid, p, -(-total // per), per))
+                layer, count = steps.pop(0)
+                info = self.ranks.prefill(p).send(rid=rid, count=count, layer=layer)
+                finished = not steps
+            else:
+                info = self.ranks.prefill(p).send(rid=rid, count=per)
+                live.sent[p] = live.sent.get(p, 0) + per
+                finished = live.sent[p] >= total
             # The writer decides when it is done (a legacy placeholder writer stops after one page).
-            if live.sent[p] >= total or info["state"] in ("DONE_SENT", "SUCCEEDED"):
+            if finished or info["state"] in ("DONE_SENT", "SUCCEEDED"):
                 live.done_sending.add(p)
         live.sent_chunks += 1
         last = len(live.done_sending) == len(live.src_pages)
@@ -414,6 +426,20 @@ class StressDriver:
                 return
         if last:
             live.phase = Phase.WAIT_DONE
+
+    def _layer_steps(self, rid: str, p: int, chunks: int, per: int) -> list[tuple[int, int]]:
+        """Every layer's chunks, the layers interleaved at random (seeded by the run's seed and the
+        request), each layer's chunks in order: ``(layer, pages)`` per send."""
+        rng = random.Random(f"{self.config.seed}:{rid}:{p}:layers")
+        left = {layer: chunks for layer in range(self.config.layers)}
+        steps = []
+        while left:
+            layer = rng.choice(sorted(left))
+            steps.append((layer, per))
+            left[layer] -= 1
+            if not left[layer]:
+                del left[layer]
+        return steps
 
     def _kill_prefill(self, p: int, cause: str = "kill_sender") -> None:
         """SIGKILL prefill rank ``p`` mid-transfer, start a fresh one; every request that depended on the

@@ -73,6 +73,7 @@ def summary_table(result: StressResult) -> Any:
     s = result.summary()
     topology = s["topology"]["text"]
     table = Table(title=f"kvxfer stress ({s['transport']}{', ' + topology if topology else ''}"
+                        f"{', layer-wise sends' if s['layerwise'] else ''}"
                         f"{', UNSAFE LEGACY' if s['unsafe_legacy'] else ''})")
     table.add_column("measure")
     table.add_column("value", justify="right")

@@ -196,6 +196,7 @@ class StressResult:
             "topology": self.topology(),
             "checksum": self.config.checksum,
             "unsafe_legacy": self.config.unsafe_legacy,
+            "layerwise": self.config.layerwise,
             "requests": requests,
             "completed": self.outcomes["completed"],
             "rejected": self.outcomes["rejected"],

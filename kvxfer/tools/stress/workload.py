@@ -86,6 +86,7 @@ class StressConfig:
     decodes: int = 1  # decode processes, each peered with every prefill
     churn: float = 0.0  # per request started: the chance of a kill and restart, a join or a leave
     max_joins: int = 2  # a fleet grows by at most this many processes per role above its start
+    layerwise: bool = False  # each chunk sent layer by layer, one layer per step, layers in a random order
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -219,6 +220,8 @@ class StressConfig:
         if not self.fleet:  # the plain pair's and the topologies' JSON stay as they were
             for name in ("prefills", "decodes", "churn", "max_joins"):
                 del data[name]
+        if not self.layerwise:
+            del data["layerwise"]
         return data
 
 

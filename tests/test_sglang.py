@@ -68,6 +68,7 @@ class Rank:
         args.kv_cache_dtype_str = "bfloat16"
         args.ib_device = None
         args.state_item_lens, args.state_types, args.kv_layout, args.system_dp_rank, args.pp_rank = [], [], None, 0, 0
+        args.total_kv_head_num = HEADS  # what SGLang's model config says: the pool gets a geometry (its layers)
         server_args = ServerArgs(model_path=model, device="cpu", disaggregation_mode=mode.value,
                                  disaggregation_transfer_backend="kvxfer", disaggregation_bootstrap_port=port,
                                  host="127.0.0.1", context_length=context, page_size=page, **extra_args)
@@ -483,3 +484,52 @@ def test_a_prefill_the_decode_cannot_serve_fails_both_halves_at_once(tiny_model)
         decode.close()
         prefill.close()
         server.close()
+
+
+def test_layers_sent_during_the_forward_then_sglangs_send_complete_the_request_with_its_metadata(pd):
+    """What the layer-wise hooks do (kvxfer/integrations/sglang/layerwise.py): during the forward each
+    layer of the chunk goes with send_layer(finish=False); SGLang's own send(kv_indices) after the
+    forward then finds those buffers past the chunk, sends what no hook sent (layer 1 of the last
+    chunk here, as after a CUDA-graph replay), and the last chunk's send posts DONE with the
+    metadata row, written only after the forward."""
+    prefill, decode = pd
+    room = 0xBEEF
+    src = np.array([3, 4, 5, 9, 10, 20], dtype=np.int64)
+    dst = np.array([40, 2, 3, 4, 30, 31], dtype=np.int64)
+    prefill.fill(src, seed=5)
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(2, 6))
+    engine = prefill.mgr.engine
+    assert engine.layout.geometry.layer_buffers(1) == [1, 3]
+    for layer in (0, 1):  # chunk 1's forward
+        engine.send_layer(room, layer, src[:4], finish=False, at=0)
+    sender.send(src[:4].astype(np.int32), None)  # SGLang's send after it: nothing left to post
+    engine.send_layer(room, 0, src[4:], finish=False, at=4)  # chunk 2's forward: layer 1's hook did not fire
+    time.sleep(0.2)
+    assert receiver.poll() == KVPoll.WaitingForInput  # every page of layer 0, not of layer 1: no DONE
+    _metadata(prefill, 2, room, token=777)  # the forward's first output token, written after it
+    sender.send(src[4:].astype(np.int32), None)
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    for got, want in zip(decode.page_bytes(dst), prefill.page_bytes(src)):
+        assert np.array_equal(got, want)
+    assert int(decode.meta.output_ids[6][0]) == 777
+    assert engine.sender.stats["layer_sends"] == 4  # three from the "hooks", layer 1 of chunk 2 by SGLang's send
+    receiver.clear()
+    sender.clear()
+
+
+def test_a_layer_sent_from_other_pages_than_sglangs_send_fails_the_request_and_sends_nothing_wrong(pd):
+    prefill, decode = pd
+    room = 0xBAD
+    src = np.array([1, 2, 3, 4], dtype=np.int64)
+    dst = np.array([10, 11, 12, 13], dtype=np.int64)
+    prefill.fill(src, seed=6)
+    sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(3, 7))
+    engine = prefill.mgr.engine
+    engine.send_layer(room, 0, src[::-1], finish=False, at=0)  # a plan that disagrees with SGLang
+    sender.send(src.astype(np.int32), None)
+    assert sender.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="not the pages SGLang sends there"):
+        sender.failure_exception()
+    assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Failed
+    assert decode.mgr.engine.status(room).state.value not in ("READABLE", "RELEASED")

@@ -3,9 +3,11 @@
 :func:`register` is kvxfer's entry point in SGLang's plugin group ``sglang.srt.plugins``
 (pyproject.toml): SGLang calls it in ``launch_server`` before parsing arguments and again in every
 process it spawns (schedulers, detokenizer, DP controller). It adds ``kvxfer`` to SGLang's backend
-enum and argument choices, routes ``get_kv_class`` to :mod:`.conn`'s classes, and registers one hook
+enum and argument choices, routes ``get_kv_class`` to :mod:`.conn`'s classes, and registers two hooks
 through SGLang's hook registry: an abort whose reason is a kvxfer admission refusal (a prompt that
-can never fit, see :data:`ADMISSION_REFUSED`) answers the client with HTTP 400, not 500. This module
+can never fit, see :data:`ADMISSION_REFUSED`) answers the client with HTTP 400, not 500; and
+``Scheduler.run_batch`` of a kvxfer prefill sends each layer's KV as the forward computes it
+(:mod:`.layerwise`; ``KVXFER_LAYERWISE=0`` turns it off). This module
 imports SGLang only when :func:`register` is called; :mod:`.conn` imports it at import time.
 ``SGLANG_PLUGINS`` (SGLang's whitelist of plugin names) can leave it out.
 
@@ -23,6 +25,7 @@ BACKEND = "kvxfer"
 TESTED_VERSIONS = ("0.5.23",)
 _MARK = "_kvxfer_wrapped"
 _PREPARE_ABORT = "sglang.srt.disaggregation.utils.prepare_abort"
+_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def _admission_refusals_are_client_errors(original: Any, req: Any, error_message: str, status_code: Any = None) -> Any:
@@ -33,6 +36,14 @@ def _admission_refusals_are_client_errors(original: Any, req: Any, error_message
 
         status_code = HTTPStatus.BAD_REQUEST
     return original(req, error_message, status_code=status_code)
+
+
+def _layerwise_run_batch(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Scheduler.run_batch`` with kvxfer's layer-wise sends around a prefill's extend batch
+    (:mod:`.layerwise`; a batch of any other scheduler runs as it is)."""
+    from .layerwise import around_run_batch
+
+    return around_run_batch(original, *args, **kwargs)
 
 
 def _extend_enum(enum_cls: Any, name: str, value: str) -> Any:
@@ -61,6 +72,8 @@ def register() -> None:
 
     if not any(hook is _admission_refusals_are_client_errors for _, hook, _ in HookRegistry._hooks.get(_PREPARE_ABORT, [])):
         HookRegistry.register(_PREPARE_ABORT, _admission_refusals_are_client_errors, HookType.AROUND)
+    if not any(hook is _layerwise_run_batch for _, hook, _ in HookRegistry._hooks.get(_RUN_BATCH, [])):
+        HookRegistry.register(_RUN_BATCH, _layerwise_run_batch, HookType.AROUND)
     version = getattr(sglang, "__version__", "?")
     if version not in TESTED_VERSIONS:
         import warnings

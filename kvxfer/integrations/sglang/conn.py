@@ -77,7 +77,7 @@ from ...core.geometry import fanout
 from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
-from ...errors import AdmissionRejected, KvxferError, PeerError
+from ...errors import AdmissionRejected, KvxferError, PeerError, TransferFailed
 from .layout import pool_geometry
 from .reasons import ADMISSION_REFUSED
 from .settings import engine_config
@@ -193,6 +193,7 @@ class KvxferKVManager(CommonKVManager):
             self.engine = DecodeEngine(self.layout, self.config)
         else:
             raise ValueError(f"kvxfer manager for mode {disaggregation_mode!r}")
+        self.layerwise: Any = None  # prefill: the layer-wise sends' state (.layerwise), made at the first forward
         # decode: prefill rank (ip, port) -> kvxfer engine id; rooms aborted -> generation armed;
         # generation -> room held for SGLang (read custody); bootstrap address -> why unsupported
         self._peers: dict[tuple[str, int], str] = {}
@@ -394,8 +395,10 @@ class KvxferKVSender(CommonKVSender):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.engine: PrefillEngine = mgr.engine
         self.admitted = False
-        self.sent_pages = 0
+        self.sent_pages = 0  # pages SGLang handed to send() so far (positions 0 .. sent_pages-1)
         self.num_kv_indices = 0
+        self.layer_tokens = 0  # tokens the layer-wise plans covered so far (:mod:`.layerwise`)
+        self.layerwise_failed = ""  # why a layer-wise send was refused: the rest of the request goes whole
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """The page count is known: kvxfer admission (rejects what can never fit)."""
@@ -419,8 +422,10 @@ class KvxferKVSender(CommonKVSender):
             self.fail("kvxfer does not transfer state buffers")
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        if pages.size == 0:
-            return  # SGLang's final call with no new pages: DONE went with the chunk that reached the count
+        if pages.size == 0:  # SGLang's final call with no new pages: DONE went with the chunk that reached the count
+            if self.sent_pages >= self.num_kv_indices:
+                self._finish_if_all_sent()
+            return
         req = self.engine.status(self.bootstrap_room)
         if req.state is S.SUCCEEDED and not req.writing:
             return  # every decode rank takes this rank's heads from another prefill rank (MLA): nothing to send
@@ -429,12 +434,56 @@ class KvxferKVSender(CommonKVSender):
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
         try:
-            self.engine.send(self.bootstrap_room, pages, aux=aux, ready=_Both.of(wait_event, indices_event))
+            self._send_positions(pages, ready=_Both.of(wait_event, indices_event))
+            if last:
+                self.engine.finish(self.bootstrap_room, aux=aux)
         except KvxferError as exc:
+            try:  # stop what was posted: its pages stay guarded until the decode has a drain proof
+                self.engine.abort(self.bootstrap_room, f"send failed: {exc.detail}")
+            except KvxferError:
+                pass
             self.fail(f"{exc.code}: {exc}")
             return
         self.sent_pages += len(pages)
         self._record_transfer_indices(pages, None)
+
+    def _finish_if_all_sent(self) -> None:
+        """DONE for a request whose every page went (layer by layer) and whose DONE is still held."""
+        req = self.engine.status(self.bootstrap_room)
+        if req.state in (S.READY, S.TRANSFERRING) and req.sent == req.total_pages:
+            aux = self.kv_mgr.read_aux(self.aux_index) if self.aux_index is not None else b""
+            try:
+                self.engine.finish(self.bootstrap_room, aux=aux)
+            except KvxferError as exc:
+                self.fail(f"{exc.code}: {exc}")
+
+    def _send_positions(self, pages: np.ndarray, *, ready: Any) -> None:
+        """SGLang's chunk ``pages`` is positions ``sent_pages ..``: every buffer already past it (sent
+        layer by layer during the forward, :mod:`.layerwise`) must hold exactly these pages there, and
+        every buffer not yet there gets the rest of the chunk now (all of it, without layer-wise sends).
+        DONE waits for :meth:`~kvxfer.PrefillEngine.finish`: the metadata row exists only now."""
+        first, end = self.sent_pages, self.sent_pages + len(pages)
+        with self.engine.lock:
+            req = self.engine.status(self.bootstrap_room)
+            positions = req.buffer_sent.copy() if req.buffer_sent is not None else None
+            order = req.order.copy() if req.order is not None else None
+        if positions is None:  # nothing sent yet: the whole chunk in every buffer
+            self.engine.send(self.bootstrap_room, pages, ready=ready, finish=False, at=first)
+            return
+        known = order[first:end]
+        seen = known >= 0
+        if (known[seen] != pages[: known.size][seen]).any():
+            raise TransferFailed(f"the pages sent layer by layer for positions {first}..{end - 1} are not the pages "
+                                 "SGLang sends there", reason="layerwise_mismatch", rid=self.bootstrap_room)
+        for position in sorted({int(p) for p in positions}):
+            if position >= end:
+                continue
+            if position < first:
+                raise TransferFailed(f"buffers at position {position}, behind the {first} pages sent before this "
+                                     "chunk", reason="layerwise_mismatch", rid=self.bootstrap_room)
+            buffers = np.flatnonzero(positions == position)
+            self.engine.send(self.bootstrap_room, pages[position - first:], ready=ready, buffers=buffers,
+                             finish=False, at=position)
 
     def poll(self) -> int:
         self._sync()

@@ -80,8 +80,11 @@ class Cluster:
         (self.prefill_metrics, self.decode_metrics, self.prefill2_metrics, self.decode2_metrics,
          self.odd_metrics, self.prefill_b_metrics, self.decode_b_metrics) = port_pairs(7)
         path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # layer-wise sends on (the default) for every prompt: the e2e prompts are shorter than the
+        # default switch point, below which a prefill sends whole
         env = dict(os.environ, PYTHONPATH=path, SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2",
-                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60")
+                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60",
+                   KVXFER_LAYERWISE="1", KVXFER_LAYERWISE_MIN_TOKENS="0")
         env.pop("KVXFER_TEST_FAULTS", None)
         common = ["-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS, "--context-length", str(CONTEXT)]
         paged = [*common, "--page-size", str(PAGE)]
@@ -274,6 +277,9 @@ def test_a_greedy_outputs_through_the_router_match_the_reference_token_for_token
         assert pd_ids == ref_ids and len(pd_ids) == 12, (prompt, ref["text"], pd["text"])
         cached += int(pd["meta_info"].get("cached_tokens") or 0)
     assert cached >= 2 * PAGE, "no prefix-cache hit on the prefill: the shared prefix was recomputed"
+    # the prefill sent layer by layer as its forward passed each layer (kvxfer/integrations/sglang/layerwise.py)
+    layer_sends = cluster.series(cluster.prefill_metrics, "kvxfer_layer_sends_total", "role").get("prefill", 0)
+    assert layer_sends >= 2 * len(PROMPTS), f"{layer_sends} layer-wise sends for {len(PROMPTS)} prompts of 2 layers"
     # many at once, through one prefill and one decode engine
     results: dict[int, tuple[int, dict]] = {}
 

@@ -150,7 +150,9 @@ class KvxferConnector(KVConnectorBase_V1):
         return None  # loads complete before vLLM schedules the request (WAITING_FOR_REMOTE_KVS)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # whole-request sends, once the request finished
+        # whole-request sends, once the request finished: vLLM's router calls the prefill before the
+        # decode has a destination, so during the forward there is nowhere to send a layer to yet
+        return None
 
     def wait_for_save(self) -> None:
         self._take_jobs()

@@ -170,3 +170,47 @@ def test_bench_first_request_reports_cold_peered_ahead_and_steady_apart_from_the
     for name in set(registry.names()) - set(expected):  # verbs without pyverbs or a device: one line naming it
         assert name in skipped and f"{name}: skipped, {skipped[name]}" in " ".join(proc.stdout.split())
     assert "FAILED" not in proc.stdout and "Error" not in proc.stdout
+
+
+def test_bench_ttft_reports_layerwise_whole_and_the_floor_for_every_prompt(tmp_path):
+    """Issue 26: the time-to-first-token report, a small model at CI size; figures are the reader's to
+    judge, the test checks what is reported and that every request became READABLE both ways."""
+    out = tmp_path / "ttft.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--ttft", "--ttft-tokens", "64,512",
+                           "--model-params", "1e8", "--model-layers", "4", "--repeat", "1",
+                           "--layerwise-min-tokens", "256", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["tokens"]: r for r in report["ttft"]}
+    assert set(rows) == {64, 512}
+    for tokens, r in rows.items():
+        assert r["floor_s"] > 0 and r["whole_s"] > 0 and r["layerwise_s"] > 0
+        assert r["kv_bytes"] == tokens * 2 * 4 * 8 * 128 * 2
+        assert len(r["runs"]["whole"]) == len(r["runs"]["layerwise"]) == 1
+        # nothing is READABLE before its last layer was computed: the floor bounds both ways
+        assert r["whole_s"] >= r["floor_s"] and r["layerwise_s"] >= r["floor_s"]
+    assert rows[64]["auto_s"] == rows[64]["whole_s"] and rows[512]["auto_s"] == rows[512]["layerwise_s"]
+    assert report["config"]["layerwise_min_tokens"] == 256
+    text = " ".join(proc.stdout.split())
+    assert "prefill start to READABLE" in text and "auto: whole-request below 256 tokens" in text
+    bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--ttft", "--ttft-tokens", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ttft-tokens takes integers" in bad.stderr
+
+
+def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
+    out = tmp_path / "small.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "1,8", "--page-bytes", "4K",
+                           "--requests", "20", "--repeat", "1", "--baselines", "none", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["small_requests"]
+    assert [(r["page_bytes"], r["request_pages"]) for r in rows] == [(4096, 1), (4096, 8)]
+    for r in rows:
+        k = r["kvxfer-tcp"]
+        assert k["requests"] == 20 and 0 < k["send_p50_s"] <= k["send_p99_s"] and 0 < k["p50_s"] <= k["p99_s"]
+        assert k["from"] == "admit-to-READABLE"
+    bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "page counts above 0" in bad.stderr

@@ -51,7 +51,7 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every page size and request size; rows of latencies by contestant, and contestants skipped."""
     from rich.console import Console
 
-    from . import _run_rounds, missing_baselines, sessions_for
+    from .rounds import _run_rounds, missing_baselines, sessions_for
 
     console = Console()
     rows: list[dict[str, Any]] = []

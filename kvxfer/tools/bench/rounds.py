@@ -1,0 +1,83 @@
+"""The bench's contestants and their interleaved rounds, shared by the throughput report
+(:mod:`kvxfer.tools.bench`) and the small-request report (:mod:`.small`)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .cases import BenchConfig, CaseResult, KvxferSession, Session, Unavailable
+
+
+def missing_baselines(config: BenchConfig) -> dict[str, str]:
+    """The baselines that apply to the transport but are not installed here: name -> "not installed (...)"."""
+    from . import baselines
+
+    out = {}
+    for name in config.baselines:
+        runner = baselines.RUNNERS.get(name)
+        if runner is not None and config.transport in runner.transports:
+            reason = runner.missing()
+            if reason:
+                out[name] = reason
+    return out
+
+
+def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
+                 skip: dict[str, str] | None = None) -> list[Session]:
+    from . import baselines
+
+    checks = ["on", "off"] if config.checks == "both" else [config.checks]
+    if config.compare_windows and config.transport == "verbs":
+        out: list[Session] = [KvxferSession(config, page_bytes, c, node_log, windows=w)
+                              for w in ("on", "off") for c in checks]
+    else:
+        out = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
+    if config.tp:
+        from .tp import UnequalTpSession, parse_tp
+
+        out += [UnequalTpSession(config, page_bytes, c, node_log, parse_tp(config.tp)) for c in checks]
+    for name in config.baselines:
+        runner = baselines.RUNNERS.get(name)
+        if runner is not None and config.transport in runner.transports and name not in (skip or {}):
+            out.append(runner.session(config, page_bytes))
+    return out
+
+
+def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], results: list[CaseResult],
+                console: Any, skipped: dict[str, str] | None = None) -> None:
+    """Start the sessions of one page size, run the interleaved rounds, close them. A contestant that
+    turns out not to be installed (:class:`Unavailable`) goes to ``skipped`` instead of ``results``."""
+    live: list[Session] = []
+    for session in sessions:
+        try:
+            session.start()
+            results.append(session.result)
+            live.append(session)
+        except Unavailable as exc:
+            session.close()
+            if skipped is not None:
+                skipped[session.result.transport] = str(exc)
+        except Exception as exc:
+            results.append(session.result)
+            session.result.error = f"{type(exc).__name__}: {exc}"
+            session.close()
+    console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + ('' if s.result.checks == 'off' or not s.result.transport.startswith('kvxfer') else ' (checks on)') for s in live)}; {config.repeat} rounds")
+    for round_no in range(config.repeat + 1):
+        shift = round_no % max(1, len(live))
+        for session in live[shift:] + live[:shift]:
+            if session.result.error:
+                continue
+            try:
+                seconds = session.run_once()
+            except Exception as exc:
+                session.result.error = f"{type(exc).__name__}: {exc}"
+                continue
+            if round_no:
+                session.result.runs.append(seconds)
+    for session in live:
+        session.close()
+        if session.result.runs:
+            session.result.seconds = statistics.median(session.result.runs)
+
+

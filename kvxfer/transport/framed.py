@@ -27,6 +27,7 @@ import numpy as np
 from ..core.runs import FrameCut, WriteBatch
 from ..errors import TransportError
 from .base import ConnId, OnComplete, SenderLink
+from .lanes import LaneLink
 
 
 @dataclass
@@ -53,8 +54,9 @@ class RawJob:
     frame: list[Any]
 
 
-class FrameLink(SenderLink):
-    """The posting side and the bookkeeping of a link that sends frames from one thread."""
+class FrameLink(SenderLink, LaneLink):
+    """The posting side and the bookkeeping of a link that sends frames, served by the transport's
+    sending lanes (:class:`~kvxfer.transport.lanes.LaneLink`: a job posted schedules a step)."""
 
     address: str
 
@@ -112,11 +114,6 @@ class FrameLink(SenderLink):
                 self._kick()
         if self.faults is not None:
             self.faults.resume()
-
-    def _kick(self) -> None:
-        """Under ``_cond``: there is something to do (a job, or closing). A link with its own thread
-        wakes it; a link served by :class:`~kvxfer.transport.lanes.SendLanes` schedules a step."""
-        self._cond.notify_all()
 
     # the sending thread -------------------------------------------------------------------------------
     def _send_batch_frames(self, job: WriteJob, cuts: Iterable[FrameCut],

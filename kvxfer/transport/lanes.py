@@ -50,6 +50,33 @@ class Served(Protocol):
         """The watcher saw the receiver close its end of the socket."""
 
 
+class LaneLink:
+    """The scheduling half of a link served by :class:`SendLanes`: a flag that keeps it on the ready
+    queue at most once, the lane serving it now, and the event set when it ended. The link supplies
+    ``_cond`` (its queue's condition) and :meth:`Served.serve_step`."""
+
+    _cond: threading.Condition
+
+    def _init_lane(self, lanes: SendLanes) -> None:
+        self._lanes = lanes
+        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
+        self._serving: threading.Thread | None = None  # the lane serving a step now
+        self._ended = threading.Event()
+
+    def _kick(self) -> None:
+        """Under ``_cond``: schedule a step unless one is scheduled or the link ended."""
+        if not self._scheduled and not self._ended.is_set():
+            self._scheduled = True
+            self._lanes.ready(self)  # type: ignore[arg-type]
+
+    def wake(self) -> None:
+        with self._cond:
+            self._kick()
+
+    def peer_closed(self, reason: str) -> None:  # pragma: no cover - only links over sockets are watched
+        pass
+
+
 class SendLanes:
     """``threads`` sending threads and one watcher thread, shared by the links of one transport."""
 

@@ -788,10 +788,7 @@ class ShmLink(FrameLink):
                  on_closed: Callable[[ShmLink, str], None], lanes: SendLanes, faults: FaultInjector | None = None,
                  checksum: Any = None, reader_pid: int | None = None) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
-        self._lanes = lanes
-        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
-        self._serving: threading.Thread | None = None
-        self._ended = threading.Event()
+        self._init_lane(lanes)
         self._next_pid_check = 0.0
         self.layout = layout
         self.ring = ring
@@ -878,18 +875,6 @@ class ShmLink(FrameLink):
             self._publish(at - self._producer)
 
     # on the transport's sending lanes ---------------------------------------------------------------------
-    def _kick(self) -> None:
-        if not self._scheduled and not self._ended.is_set():
-            self._scheduled = True
-            self._lanes.ready(self)
-
-    def wake(self) -> None:
-        with self._cond:
-            self._kick()
-
-    def peer_closed(self, reason: str) -> None:  # pragma: no cover - shm links watch no socket
-        pass
-
     def serve_step(self) -> None:
         """One step on a lane: the next job; with none, a look at the reader (fenced? its process gone?);
         the end of a closing link with nothing queued. Then back on the ready queue if there is more,

@@ -692,11 +692,8 @@ class TcpLink(FrameLink):
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
         self.layout = layout
         self.address = address
-        self._lanes = lanes
-        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
-        self._serving: threading.Thread | None = None  # the lane serving a step now
+        self._init_lane(lanes)
         self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
-        self._ended = threading.Event()
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -717,11 +714,6 @@ class TcpLink(FrameLink):
         lanes.watch(self._sock, self)
 
     # scheduling on the lanes ---------------------------------------------------------------------------------
-    def _kick(self) -> None:
-        if not self._scheduled and not self._ended.is_set():
-            self._scheduled = True
-            self._lanes.ready(self)
-
     def wake(self) -> None:
         with self._cond:
             if self._queue or self._closing or (self.faults is not None and self.faults.next_due() is not None):

@@ -66,7 +66,7 @@ from .base import (
     SenderTransport,
     TransportFactory,
 )
-from .lanes import SendLanes
+from .lanes import LaneLink, SendLanes
 from .options import VerbsOptions
 from .verbs_windows import ReceiverWindows, WindowTable
 
@@ -771,7 +771,7 @@ class _Posted:
     on_complete: Callable[[WriteBatch, int, int], None] | None
 
 
-class VerbsLink(SenderLink):
+class VerbsLink(SenderLink, LaneLink):
     """The prefill side of one peering and epoch: posts writes, tracks completions, sends ordered
     messages once everything posted before them completed."""
 
@@ -810,10 +810,7 @@ class VerbsLink(SenderLink):
         self.bytes_sent = 0
         self.wrs_posted = 0
         self.post_seconds = 0.0
-        self._lanes = lanes
-        self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
-        self._serving: threading.Thread | None = None
-        self._ended = threading.Event()
+        self._init_lane(lanes)
 
     @property
     def alive(self) -> bool:
@@ -837,19 +834,6 @@ class VerbsLink(SenderLink):
             self._kick()
 
     # on the transport's sending lanes ------------------------------------------------------------------------
-    def _kick(self) -> None:
-        """Under ``_cond``: schedule a step unless one is scheduled or the link ended."""
-        if not self._scheduled and not self._ended.is_set():
-            self._scheduled = True
-            self._lanes.ready(self)
-
-    def wake(self) -> None:
-        with self._cond:
-            self._kick()
-
-    def peer_closed(self, reason: str) -> None:  # pragma: no cover - verbs links watch no socket
-        pass
-
     def serve_step(self) -> None:
         """One pass on a lane: release late writes that fell due, post the next job (if the send queue
         has room), reap completions, send the ordered messages they allow. Then: another step at once

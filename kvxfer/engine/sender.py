@@ -796,11 +796,7 @@ class Sender:
         positions before may have been overtaken).
         Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
-            req = self._lookup(rid)
-            if req.state not in (S.READY, S.TRANSFERRING):
-                why = f": {req.error}" if req.error is not None else ""
-                raise TransferFailed(f"cannot send in state {req.state.value}{why}", reason="state",
-                                     rid=rid, generation=req.gen or None)
+            req = self._sending(rid, "send")
             total = req.total_pages
             group = self._buffer_group(req, buffers)
             if req.buffer_sent is None:
@@ -868,15 +864,20 @@ class Sender:
                 self._post_done(req, aux)
             return req
 
+    def _sending(self, rid: Any, verb: str) -> SendRequest:
+        """The request, if it may still send (READY or TRANSFERRING); else TransferFailed naming its state."""
+        req = self._lookup(rid)
+        if req.state not in (S.READY, S.TRANSFERRING):
+            why = f": {req.error}" if req.error is not None else ""
+            raise TransferFailed(f"cannot {verb} in state {req.state.value}{why}", reason="state",
+                                 rid=rid, generation=req.gen or None)
+        return req
+
     def finish(self, rid: Any, aux: bytes = b"") -> SendRequest:
         """Post DONE (with ``aux``) for a request whose every buffer has sent every page with
         ``finish=False``. Raises :class:`InvalidArgument` while pages are left to send."""
         with self.lock:
-            req = self._lookup(rid)
-            if req.state not in (S.READY, S.TRANSFERRING):
-                why = f": {req.error}" if req.error is not None else ""
-                raise TransferFailed(f"cannot finish in state {req.state.value}{why}", reason="state",
-                                     rid=rid, generation=req.gen or None)
+            req = self._sending(rid, "finish")
             aux = check_aux(aux, req.rid, req.gen)
             total = req.total_pages
             if req.sent != total:

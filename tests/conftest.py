@@ -83,6 +83,17 @@ class Pair:
                  what="the prefill's data link")
         return self.prefill.peers[self.decode.engine_id].link
 
+    def wait_reconnected(self, old_epoch: int, *, timeout: float = 10.0) -> None:
+        """Both halves hold one data connection newer than epoch ``old_epoch``: the decode's (CONNECT and
+        ACCEPT both arrived: ``PeerInfo.connected``) and the prefill's live link of that epoch."""
+        def agreed() -> bool:
+            info = self.decode.receiver.peers.get(self.peer)
+            link = self.prefill.peers[self.decode.engine_id].link
+            return (info is not None and info.connected and info.epoch > old_epoch and link is not None
+                    and link.alive and link.epoch == info.epoch)
+
+        wait_for(agreed, timeout=timeout, what=f"both halves on a data connection newer than epoch {old_epoch}")
+
     def transfer(self, rid: Any, tokens: int, *, seed: int = 0) -> np.ndarray:
         """Admit on both sides, fill the source pages, send, wait until readable; returns src pages."""
         self.prefill.admit(rid, tokens, peer=self.decode.engine_id)

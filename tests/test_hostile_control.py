@@ -267,12 +267,7 @@ def test_a_result_timeout_with_writes_still_in_flight_closes_the_link_before_fre
              what="the sources released")
     assert pair.decode.wait("stuck", timeout=10).state in (R.FAILED, R.ABORTED)
     wait_for(lambda: pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages, what="decode pages freed")
-    def reconnected() -> bool:  # both sides hold the same new connection (not the closed one)
-        conn = pair.decode.receiver.peers[pair.peer].conn
-        link = pair.prefill.peers[pair.decode.engine_id].link
-        return conn is not None and link is not None and link.alive and link.epoch == conn[1] > 1
-
-    wait_for(reconnected, what="a new data connection")
+    pair.wait_reconnected(1)
     _transfer(pair, "next", 2 * PAGE_TOKENS, seed=3)
 
 

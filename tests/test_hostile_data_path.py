@@ -95,13 +95,8 @@ def data_stats(pair) -> dict:
 
 
 def wait_for_reconnect(pair, old: tuple[str, int]) -> None:
-    """Both ends hold a newer connection than ``old`` (the decode sees CONNECT a moment before the
-    prefill stores its link)."""
-    def newer() -> bool:
-        link = pair.prefill.peers[pair.decode.engine_id].link
-        return ((pair.decode.receiver.peers[pair.peer].conn or ("", 0))[1] > old[1]
-                and link is not None and link.alive and link.epoch > old[1])
-    wait_for(newer, timeout=10, what="the writer's reconnect")
+    """Both ends hold a newer connection than ``old``."""
+    pair.wait_reconnected(old[1])
 
 
 def reconnect_and_transfer(pair, rid: str, seed: int) -> None:
@@ -340,7 +335,8 @@ old = conn()
 decode.fence(old, "test fence after EMFILE")
 def reconnected():
     link = prefill.peers[decode.engine_id].link  # the decode sees CONNECT a moment before the prefill stores it
-    return (conn() or ("", 0))[1] > old[1] and link is not None and link.alive and link.epoch > old[1]
+    info = decode.receiver.peers[peer]
+    return info.connected and info.epoch > old[1] and link is not None and link.alive and link.epoch == info.epoch
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline and not reconnected():
     time.sleep(0.02)

@@ -442,7 +442,7 @@ def test_a_connect_seen_on_the_wire_opens_no_connection_and_takes_none_over(engi
     assert pair.decode.fence(conn, "test fence")
     wait_for(lambda: pair.decode.receiver.peers[pair.peer].offered > conn[1], what="the next offer")
     attempt(m.Connect(engine=seen.engine, epoch=conn[1] + 1, proof=seen.proof))  # refused before or after
-    wait_for(lambda: (pair.decode.receiver.peers[pair.peer].conn or ("", 0))[1] > conn[1], what="reconnect")
+    pair.wait_reconnected(conn[1])
     src = pair.transfer("after", 3 * PAGE_TOKENS, seed=5)
     assert pair.decode.wait("after").state is R.READABLE
     pair.expect_content("after", src)
@@ -515,13 +515,7 @@ def test_a_dropped_data_connection_is_noticed_by_both_and_replaced(engines, side
     else:  # the writer's end fails; over verbs the decode learns it from the writer's FENCED
         pair.link.abort_connection()
 
-    def agreed() -> bool:
-        conn = pair.decode.receiver.peers[pair.peer].conn
-        link = pair.prefill.peers[pair.decode.engine_id].link
-        return (conn is not None and conn[1] > old[1] and link is not None and link.alive
-                and link.epoch == conn[1])
-
-    wait_for(agreed, timeout=2.0, what="both sides on the same new connection")
+    pair.wait_reconnected(old[1], timeout=2.0)
     assert pair.decode.wait("victim").state is R.FAILED
     assert pair.prefill.wait("victim").state in (S.FAILED, S.ABORTED)
     src = pair.transfer("next", 3 * PAGE_TOKENS, seed=8)

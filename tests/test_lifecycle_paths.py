@@ -3,6 +3,7 @@ the incident path, aborts, drains, fences, corruption."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import zmq
 
 from kvxfer import AdmissionRejected, DecodeEngine, EngineConfig, PrefillEngine, ReceiverState, SenderState
 from kvxfer.core.ledger import PageState
-from kvxfer.errors import NotReadable, UnknownRequest
+from kvxfer.errors import NotReadable, PeerError, TransferFailed, UnknownRequest
 from kvxfer.wire import messages as m
 
 from .conftest import PAGE_TOKENS, fill_random, make_layout, needs, wait_for
@@ -243,11 +244,49 @@ def test_fence_on_drain_timeout_releases_and_reconnects(engines):
     # the fenced writer learns it, fails the request, and reconnects under a new epoch
     pair.faults.resume()
     assert pair.prefill.wait("slow", timeout=5).state in (S.ABORTED, S.FAILED)
-    wait_for(lambda: (pair.decode.receiver.peers[pair.peer].conn or (None, 0))[1] > old_conn[1], what="reconnect")
+    pair.wait_reconnected(old_conn[1])
     src = pair.transfer("after", 5 * PAGE_TOKENS, seed=9)
     assert pair.decode.wait("after").state is R.READABLE
     pair.expect_content("after", src)
     del dreq
+
+
+def test_a_request_admitted_while_the_writer_is_still_reconnecting_is_refused_not_failed_later(engines):
+    """After a fence the decode sees the new connection (tcp/shm: its CONNECT) a moment before the
+    prefill holds the link (its ACCEPT is on the way). A request admitted in that moment must be
+    refused by the decode's admit ("not connected"), not bound and then failed by the prefill with
+    "no data connection"; once the ACCEPT arrives the next request goes through."""
+    pair = engines()
+    old_conn = pair.decode.receiver.peers[pair.peer].conn
+    connect = pair.prefill.transport.connect
+    release = threading.Event()
+
+    def slow_connect(request):  # the prefill's connector thread is slow to store the new link
+        link = connect(request)
+        release.wait(10)
+        return link
+
+    pair.prefill.transport.connect = slow_connect
+    try:
+        assert pair.decode.fence(old_conn, "test fence")
+        info = pair.decode.receiver.peers[pair.peer]
+        wait_for(lambda: info.offered > old_conn[1], what="the next offer")
+        time.sleep(0.3)  # the writer has connected; the data path's CONNECT (tcp, shm) has arrived by now
+        pair.prefill.admit("early", 2 * PAGE_TOKENS, peer=pair.decode.engine_id)
+        with pytest.raises(PeerError, match="not connected"):
+            pair.decode.admit("early", 2 * PAGE_TOKENS, peer=pair.peer)
+        assert pair.prefill.status("early").state is S.ADMITTED  # nothing bound, nothing failed
+    finally:
+        release.set()
+        pair.prefill.transport.connect = connect
+    pair.wait_reconnected(old_conn[1])
+    pair.decode.admit("early", 2 * PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("early")
+    src = pair.prefill.source_pages("early")
+    fill_random(pair.prefill.layout, src, 4)
+    pair.prefill.send("early")
+    assert pair.decode.wait("early").state is R.READABLE
+    pair.expect_content("early", src)
 
 
 def test_writes_after_fence_land_nowhere(engines):

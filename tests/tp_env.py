@@ -138,7 +138,7 @@ class Cluster:
             for d, decode in enumerate(self.decodes):
                 for name in self.targets(d):
                     info = decode.receiver.peers.get(name)
-                    if info is None or not info.ready or info.conn is None:
+                    if info is None or not info.connected:
                         return False
             return True
 

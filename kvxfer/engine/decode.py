@@ -66,13 +66,31 @@ class DecodeEngine(EngineBase):
                     raise PeerError(f"peering with {prefill_address} refused: {entry['error']}")
                 peer = entry["peer"]
                 info = self.receiver.peers.get(peer) if peer is not None else None
-                if info is not None and info.ready and info.accepted == info.epoch:  # both halves hold it
+                if info is not None and info.connected:  # both halves hold it
                     del self._pending_hello[session]
                     return peer
                 left = deadline - time.monotonic()
                 if left <= 0:
                     del self._pending_hello[session]
                     raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
+                self.receiver.changed.wait(min(left, 0.1))
+
+    def peer_connected(self, peer: str, *, wait: float = 2.0) -> bool:
+        """Whether both halves hold ``peer``'s data connection (:attr:`PeerInfo.connected`), so a request
+        admitted now binds. While only its CONNECT has arrived (the writer's ACCEPT is on the way, after a
+        fence or a reconnect) this waits up to ``wait`` seconds for it; a peer not connecting at all is
+        answered at once."""
+        deadline = time.monotonic() + wait
+        with self.lock:
+            while True:
+                info = self.receiver.peers.get(peer)
+                if info is None or not info.ready or info.conn is None:
+                    return False
+                if info.connected:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
                 self.receiver.changed.wait(min(left, 0.1))
 
     def _hello(self, session: bytes) -> m.Hello:

@@ -100,6 +100,13 @@ class PeerInfo:
     reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
     repeer_after: float = 0.0  # a HELLO again (the writer forgot us, or its control connection closed) not before
 
+    @property
+    def connected(self) -> bool:
+        """Both halves hold the data connection: this side has it (``conn``, alive: ``ready``) and the
+        writer ACCEPTed its epoch, which it does only once it has stored the link. The data path's
+        CONNECT alone arrives before that; a request bound then would find no link at the writer."""
+        return self.ready and self.conn is not None and self.accepted == self.epoch
+
 
 class LegState(str, enum.Enum):
     """Where one writer's share of a request stands."""
@@ -249,7 +256,7 @@ class Receiver:
             self.peers[info.engine] = info
 
     def default_peer(self) -> str:
-        ready = [p.engine for p in self.peers.values() if p.ready]
+        ready = [p.engine for p in self.peers.values() if p.connected]
         if len(ready) != 1:
             raise PeerError(
                 f"no peer named and {len(ready)} ready peers ({', '.join(ready) or 'none'}); name one"
@@ -293,7 +300,7 @@ class Receiver:
             infos = []
             for name in names:
                 info = self.peers.get(name)
-                if info is None or not info.ready or info.conn is None:
+                if info is None or not info.connected:
                     raise PeerError(f"peer {name!r} is not connected", rid=rid)
                 infos.append(info)
             for info in infos:

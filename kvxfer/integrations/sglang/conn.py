@@ -313,8 +313,7 @@ class KvxferKVManager(CommonKVManager):
 
     def live_peer(self, info: dict[str, Any]) -> str | None:
         peer = self._peers.get((str(info["rank_ip"]), int(info["rank_port"])))
-        state = self.engine.receiver.peers.get(peer) if peer is not None else None
-        return peer if state is not None and state.ready and state.conn is not None else None
+        return peer if peer is not None and self.engine.peer_connected(peer) else None
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """Common's handling (rooms failed, caches dropped), and the address re-resolved next time."""

@@ -191,10 +191,8 @@ class WorkerSide:
 
     def _peer(self, address: str) -> str:
         peer = self._peers.get(address)
-        if peer is not None:
-            state = self.engine.receiver.peers.get(peer)
-            if state is not None and state.ready and state.conn is not None:
-                return peer
+        if peer is not None and self.engine.peer_connected(peer):
+            return peer
         peer = self.engine.connect(address, timeout=self.peer_timeout)
         self._peers[address] = peer
         return peer

@@ -302,7 +302,10 @@ def test_writes_after_fence_land_nowhere(engines):
     pair.prefill._on_fenced = lambda peer, msg: None  # the writer ignores the FENCED notice
     assert pair.decode.fence(conn, "test fence")
     assert pair.decode.status("f").state is R.FAILED
-    pair.prefill.send("f")
+    try:
+        pair.prefill.send("f")
+    except TransferFailed as exc:  # layer-wise: a later layer finds the request failed by an earlier one's writes
+        assert "failed on the wire" in str(exc)
     wait_for(lambda: not old_link.alive, what="link to notice the fence")
     assert pair.decode.stats()["writes"]["landed_bytes"] == landed_before
     assert pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages

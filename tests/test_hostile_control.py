@@ -469,3 +469,46 @@ def test_loading_a_secret_others_can_read_is_refused(tmp_path, mode):
     Keyring.load(tmp_path / "p0")
     os.chmod(secret, 0o400)
     Keyring.load(tmp_path / "p0")
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyring"])
+def test_a_peer_that_reopens_its_socket_before_its_old_messages_were_read_is_still_heard(keyed):
+    """A prefill forgets a decode (closing its control socket) while the decode is stopped or busy,
+    then tells it "not peered" over a new socket under the same engine id. If the decode had not read
+    the old socket's messages yet, ZMQ's ROUTER refused the new connection's id as a duplicate and
+    parked it: nothing from that peer was ever delivered again, so the decode never peered again
+    (CI: test_a_decode_the_prefill_forgot_while_it_was_stopped_peers_again_by_itself). The newer
+    connection must take over the id, with or without a keyring."""
+    from kvxfer.wire.control import ControlPlane
+
+    rings = Keyring.cluster(["decode", "prefill"]) if keyed else {"decode": None, "prefill": None}
+    receiver = ControlPlane("decode", keyring=rings["decode"])
+    sender = ControlPlane("prefill", keyring=rings["prefill"])
+    try:
+        address = receiver.address
+        sender.send(address, m.Heartbeat(engine="prefill", seq=0))
+        deadline = time.monotonic() + 5
+        got: list[tuple[str, bytes]] = []
+        while not got and time.monotonic() < deadline:
+            got = receiver.receive(100)
+        assert got and got[0][0] == "prefill"
+        for seq in range(1, 21):  # queued at the receiver, which does not read them yet
+            sender.send(address, m.Heartbeat(engine="prefill", seq=seq))
+        time.sleep(0.3)
+        sender.forget(address)  # the old socket goes
+        time.sleep(0.1)
+        sender.send(address, m.Error(about="HEARTBEAT", code="not_peered", rid="?", gen=0, detail="HELLO again"))
+        time.sleep(0.3)
+        heard: list[m.Message] = []  # under the engine id
+        renamed: list[m.Message] = []  # the old connection's unread rest, under a name ZMQ made up
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(isinstance(x, m.Error) for x in heard):
+            for identity, data in receiver.receive(100):
+                (heard if identity == "prefill" else renamed).append(m.decode(data))
+        assert any(isinstance(x, m.Error) for x in heard), f"the new socket's message was lost: heard {len(heard)}"
+        # nothing of the new socket goes astray; what the old one left unread comes under another
+        # name (a peering that ended: the engines refuse it as from a stranger)
+        assert all(isinstance(x, m.Heartbeat) for x in renamed), renamed
+    finally:
+        sender.close()
+        receiver.close()

@@ -84,6 +84,13 @@ class ControlPlane:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES + 4096)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
+        # A peer that closes its socket to us and opens a new one under the same engine id (a prefill
+        # forgetting a decode, then telling it "not peered") must be heard on the new one. Without
+        # handover, a ROUTER that has not yet read the old connection's last messages refuses the new
+        # one's id as a duplicate and parks it: nothing from it is delivered, ever. This ROUTER only
+        # receives (answers go out on DEALERs), so handing the id over redirects no reply; with a
+        # keyring each message is still checked against the key its id is bound to (_authenticated).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keyring is not None:
             self._gate = _Gatekeeper(self._ctx, keyring, self._denied)
             self._gate.start()

@@ -251,13 +251,12 @@ def test_fence_on_drain_timeout_releases_and_reconnects(engines):
     del dreq
 
 
-def test_a_request_admitted_while_the_writer_is_still_reconnecting_is_refused_not_failed_later(engines):
+def test_a_request_admitted_while_the_writer_is_still_reconnecting_waits_for_it_or_is_refused(engines):
     """After a fence the decode sees the new connection (tcp/shm: its CONNECT) a moment before the
-    prefill holds the link (its ACCEPT is on the way). A request admitted in that moment must be
-    refused by the decode's admit ("not connected"), not bound and then failed by the prefill with
-    "no data connection"; once the ACCEPT arrives the next request goes through."""
+    prefill holds the link (its ACCEPT is on the way). A request admitted in that moment waits for the
+    ACCEPT (briefly) and binds; if the writer takes longer, admit refuses it ("not connected"). It is
+    never bound and then failed by the prefill with "no data connection"."""
     pair = engines()
-    old_conn = pair.decode.receiver.peers[pair.peer].conn
     connect = pair.prefill.transport.connect
     release = threading.Event()
 
@@ -266,27 +265,47 @@ def test_a_request_admitted_while_the_writer_is_still_reconnecting_is_refused_no
         release.wait(10)
         return link
 
-    pair.prefill.transport.connect = slow_connect
-    try:
-        assert pair.decode.fence(old_conn, "test fence")
-        info = pair.decode.receiver.peers[pair.peer]
-        wait_for(lambda: info.offered > old_conn[1], what="the next offer")
+    def fence_with_a_slow_writer(rid: str) -> tuple[str, int]:
+        old = pair.decode.receiver.peers[pair.peer].conn
+        release.clear()
+        pair.prefill.transport.connect = slow_connect
+        assert pair.decode.fence(old, "test fence")
+        wait_for(lambda: pair.decode.receiver.peers[pair.peer].offered > old[1], what="the next offer")
         time.sleep(0.3)  # the writer has connected; the data path's CONNECT (tcp, shm) has arrived by now
-        pair.prefill.admit("early", 2 * PAGE_TOKENS, peer=pair.decode.engine_id)
+        pair.prefill.admit(rid, 2 * PAGE_TOKENS, peer=pair.decode.engine_id)
+        return old
+
+    def completes(rid: str, seed: int) -> None:
+        pair.prefill.wait_ready(rid)
+        src = pair.prefill.source_pages(rid)
+        fill_random(pair.prefill.layout, src, seed)
+        pair.prefill.send(rid)
+        assert pair.decode.wait(rid).state is R.READABLE
+        pair.expect_content(rid, src)
+
+    # the writer takes longer than admit waits: refused, nothing bound on either side
+    old = fence_with_a_slow_writer("late")
+    try:
         with pytest.raises(PeerError, match="not connected"):
-            pair.decode.admit("early", 2 * PAGE_TOKENS, peer=pair.peer)
-        assert pair.prefill.status("early").state is S.ADMITTED  # nothing bound, nothing failed
+            pair.decode.admit("late", 2 * PAGE_TOKENS, peer=pair.peer)
+        assert pair.prefill.status("late").state is S.ADMITTED
     finally:
         release.set()
         pair.prefill.transport.connect = connect
-    pair.wait_reconnected(old_conn[1])
-    pair.decode.admit("early", 2 * PAGE_TOKENS, peer=pair.peer)
-    pair.prefill.wait_ready("early")
-    src = pair.prefill.source_pages("early")
-    fill_random(pair.prefill.layout, src, 4)
-    pair.prefill.send("early")
-    assert pair.decode.wait("early").state is R.READABLE
-    pair.expect_content("early", src)
+    pair.wait_reconnected(old[1])
+    pair.decode.admit("late", 2 * PAGE_TOKENS, peer=pair.peer)
+    completes("late", 4)
+    # the ACCEPT comes within the wait: admit waits for it and binds
+    old = fence_with_a_slow_writer("soon")
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    try:
+        pair.decode.admit("soon", 2 * PAGE_TOKENS, peer=pair.peer)
+    finally:
+        timer.cancel()
+        release.set()
+        pair.prefill.transport.connect = connect
+    completes("soon", 5)
 
 
 def test_writes_after_fence_land_nowhere(engines):

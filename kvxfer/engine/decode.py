@@ -399,8 +399,22 @@ class DecodeEngine(EngineBase):
               peers: list[str] | None = None) -> ReceiveRequest:
         """Admit a request and reserve its pages (or refuse: see :meth:`Receiver.admit`). ``peers``:
         every prefill rank this rank takes KV from, in rank order, when their tensor parallelism
-        differs from this engine's (each writes its heads' slice of every page)."""
+        differs from this engine's (each writes its heads' slice of every page).
+
+        A peer whose new data connection is up on this side while its ACCEPT is still on the way (just
+        after a fence or a reconnect) is waited for, briefly (:meth:`peer_connected`); one that is not
+        connected then is refused ("not connected"), never bound to a link its writer does not hold."""
         self._check_open()
+        if peers:
+            names = list(peers)
+        elif peer is not None:
+            names = [peer]
+        else:
+            with self.lock:
+                names = [p.engine for p in self.receiver.peers.values() if p.ready and p.conn is not None]
+        for name in names:
+            if isinstance(name, str):  # anything else is refused by the receiver, naming it
+                self.peer_connected(name)
         return self.receiver.admit(rid, tokens, peer=peer, pages=pages, peers=peers)
 
     def abort(self, rid: Any, reason: str = "aborted by caller", *, generation: int | None = None) -> ReceiveRequest:

@@ -295,6 +295,8 @@ def test_a_request_admitted_while_the_writer_is_still_reconnecting_waits_for_it_
     pair.wait_reconnected(old[1])
     pair.decode.admit("late", 2 * PAGE_TOKENS, peer=pair.peer)
     completes("late", 4)
+    if pair.decode.config.transport == "verbs":
+        return  # the connection exists only once the ACCEPT is processed (SPEC 3.0): no moment to wait out
     # the ACCEPT comes within the wait: admit waits for it and binds
     old = fence_with_a_slow_writer("soon")
     timer = threading.Timer(0.5, release.set)

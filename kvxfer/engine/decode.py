@@ -84,7 +84,7 @@ class DecodeEngine(EngineBase):
         with self.lock:
             while True:
                 info = self.receiver.peers.get(peer)
-                if info is None or not info.ready or info.conn is None:
+                if info is None or not info.attached:
                     return False
                 if info.connected:
                     return True
@@ -411,7 +411,7 @@ class DecodeEngine(EngineBase):
             names = [peer]
         else:
             with self.lock:
-                names = [p.engine for p in self.receiver.peers.values() if p.ready and p.conn is not None]
+                names = [p.engine for p in self.receiver.peers.values() if p.attached]
         for name in names:
             if isinstance(name, str):  # anything else is refused by the receiver, naming it
                 self.peer_connected(name)

@@ -101,11 +101,16 @@ class PeerInfo:
     repeer_after: float = 0.0  # a HELLO again (the writer forgot us, or its control connection closed) not before
 
     @property
+    def attached(self) -> bool:
+        """This side holds a live data connection (``conn``, alive: ``ready``); the writer may not yet."""
+        return self.ready and self.conn is not None
+
+    @property
     def connected(self) -> bool:
-        """Both halves hold the data connection: this side has it (``conn``, alive: ``ready``) and the
-        writer ACCEPTed its epoch, which it does only once it has stored the link. The data path's
-        CONNECT alone arrives before that; a request bound then would find no link at the writer."""
-        return self.ready and self.conn is not None and self.accepted == self.epoch
+        """Both halves hold the data connection: this side has it (:attr:`attached`) and the writer
+        ACCEPTed its epoch, which it does only once it has stored the link. The data path's CONNECT
+        alone arrives before that; a request bound then would find no link at the writer."""
+        return self.attached and self.accepted == self.epoch
 
 
 class LegState(str, enum.Enum):

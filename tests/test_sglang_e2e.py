@@ -484,15 +484,16 @@ def test_d_a_prefill_killed_while_requests_flow_fails_them_cleanly_and_its_resta
         kib = {name: int(b // 1024) for name, b in spread.items()}
         assert all(spread.values()), f"an engine moved no KV bytes for the 16: {spread}"
 
-        # (2) requests flowing (two senders, one request each at a time, a second apart) while the first prefill is SIGKILLed
+        # (2) requests flowing (two senders, one request each at a time) while the first prefill is SIGKILLed
         flow: list[dict] = []
+        sending: dict[int, float] = {}  # sender -> when its request in progress began
         stop = threading.Event()
 
         def sender(worker: int) -> None:
             n = 0
             while not stop.is_set():
                 prompt = PROMPTS[(worker + n) % len(PROMPTS)] + f" flow {worker} {n}"
-                began = time.monotonic()
+                began = sending[worker] = time.monotonic()
                 try:
                     status, out = cluster.generate(cluster.fleet_router_port, prompt, max_new_tokens=flow_tokens,
                                                    timeout=bound)
@@ -500,10 +501,10 @@ def test_d_a_prefill_killed_while_requests_flow_fails_them_cleanly_and_its_resta
                     status, out = -1, {"error": repr(exc)}
                 flow.append({"prompt": prompt, "began": began, "ended": time.monotonic(), "status": status,
                              "out": out})
+                del sending[worker]
                 n += 1
-                # a request rate, not a spin: failures come fast, and on two cores a saturating flow
-                # slows the restarting prefill's start-up more than it tests anything
-                stop.wait(0.5 if status != 200 else 1.0)
+                if status != 200:
+                    stop.wait(0.5)  # failures come fast: keep the flow at a request rate, not a spin
 
         senders = [threading.Thread(target=sender, args=(w,), daemon=True) for w in range(2)]
         for t in senders:
@@ -528,6 +529,12 @@ def test_d_a_prefill_killed_while_requests_flow_fails_them_cleanly_and_its_resta
         for t in long_ones:
             t.start()
         time.sleep(0.3)
+        # the kill lands while a flow request is on its way (the senders send back to back, so this is a
+        # moment's wait; without it the window could hold no request in flight and prove nothing)
+        deadline = time.monotonic() + 30
+        while not sending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sending, "no flow request in progress to kill the prefill under"
         killed_at = time.monotonic()
         old_group = cluster.prefill.process.pid
         cluster.prefill.kill(signal.SIGKILL)

@@ -78,8 +78,13 @@ def publish_rank(server_args: Any) -> None:
 
 # real servers ------------------------------------------------------------------------------------------
 
+# --sleep-on-idle: an idle SGLang scheduler otherwise polls its sockets without blocking and keeps a core at
+# 100 %; the e2e suite runs eight servers on two cores, so the idle ones starved the busy ones (a restarting
+# server took minutes to come up). With it an idle scheduler blocks on its request sockets (up to 1 s); it
+# is not idle, and so never sleeps, while any request, bootstrap or KV transfer is queued.
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-             "--disable-overlap-schedule", "--dtype", "float32", "--host", "127.0.0.1", "--log-level", "warning"]
+             "--disable-overlap-schedule", "--dtype", "float32", "--host", "127.0.0.1", "--log-level", "warning",
+             "--sleep-on-idle"]
 
 
 def request_json(method: str, url: str, payload: dict[str, Any] | None = None, *, timeout: float = 60.0) -> tuple[int, Any]:

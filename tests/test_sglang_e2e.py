@@ -599,7 +599,21 @@ def test_d_a_prefill_killed_while_requests_flow_fails_them_cleanly_and_its_resta
             time.sleep(2)
         assert status == 200, out
         assert identical(PROMPTS[2], 12, out), (out.get("text"), reference(PROMPTS[2], 12))
-        # (4) sixteen at once again, the restarted prefill taking its share; nothing held anywhere
+        # (4) the 2P2D router sends to the restarted prefill again once its circuit breaker lets it (sglang_router
+        # opens a worker's circuit after 10 failures in 120 s, tries it again 60 s later and closes it after 3
+        # successes; /workers says healthy all the while): one request at a time, each identical, until the
+        # restarted prefill has served three, then sixteen at once, the restarted prefill taking its share
+        deadline, probes, taken, routed_at = time.monotonic() + 150, 0, 0, 0.0
+        while taken < 3 and time.monotonic() < deadline:
+            before_probe = served(cluster.prefill_metrics)
+            prompt = PROMPTS[probes % len(PROMPTS)] + f" probe {probes}"
+            status, out = cluster.generate(cluster.fleet_router_port, prompt, timeout=bound)
+            assert status == 200 and identical(prompt, 12, out), (prompt, status, out)
+            probes += 1
+            if served(cluster.prefill_metrics) > before_probe:
+                taken += 1
+                routed_at = routed_at or time.monotonic()
+        assert taken == 3, f"the 2P2D router sent {taken} of {probes} requests to the restarted prefill in 150 s"
         restarted = served(cluster.prefill_metrics)
         identical_3, slowest_3 = sixteen("after")
         assert served(cluster.prefill_metrics) > restarted, "the restarted prefill took none of the 16"
@@ -614,7 +628,8 @@ def test_d_a_prefill_killed_while_requests_flow_fails_them_cleanly_and_its_resta
                   f"the first prefill SIGKILLed with {in_flight} requests in flight (pair's router: "
                   f"{sum(st == 200 for st, _ in pair.values())}/8 long ones ok, the rest failed with an error; "
                   f"a request while it was down answered {status_down} in {down_answer:.1f} s), restarted, healthy again "
-                  f"{healthy_at - killed_at:.0f} s after the kill; requests in that window: {window['ok']} ok "
+                  f"{healthy_at - killed_at:.0f} s after the kill, routed to again {routed_at - killed_at:.0f} s after it "
+                  f"(the router's circuit breaker); requests in that window: {window['ok']} ok "
                   f"(identical), {window['failed']} failed (HTTP {statuses}), 0 wrong; flow {len(flow)} "
                   f"requests, slowest {slowest_flow:.1f} s; after: {identical_3}/16 identical "
                   f"(slowest {slowest_3:.1f} s); pages held: none")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
+from .pagesets import has_duplicates
 
 # The limits of ``protocol/SPEC.md`` §2.1 that callers' values must meet. They are the core's rules;
 # the wire encodes within them (kvxfer.wire.messages declares the same values, and the core never
@@ -97,7 +98,7 @@ def page_array(pages: Any, *, num_pages: int, rid: Any, what: str = "page list")
     bad = array[(array < 0) | (array >= num_pages)]
     if bad.size:
         raise InvalidArgument(f"{what}: page index out of range [0, {num_pages})", rid=rid, pages=bad[:8])
-    if np.unique(array).size != array.size:
+    if has_duplicates(array):
         values, counts = np.unique(array, return_counts=True)
         raise InvalidArgument(f"{what} names a page twice", rid=rid, pages=values[counts > 1][:8])
     return array

@@ -47,6 +47,7 @@ class ChecksumAlgo(str, enum.Enum):
 
 
 ADLER_MOD = 65521
+SMALL_COMBINE = 32  # pieces up to which a Python loop combines faster than the vectorised prefix sums
 
 
 def combine_adler32(values: np.ndarray, lengths: np.ndarray, initial: int = 1) -> int:
@@ -58,9 +59,15 @@ def combine_adler32(values: np.ndarray, lengths: np.ndarray, initial: int = 1) -
     lens = np.asarray(lengths, dtype=np.int64) % ADLER_MOD
     if v.size == 0:
         return int(initial)
+    a0, b0 = int(initial) & 0xFFFF, int(initial) >> 16
+    if v.size <= SMALL_COMBINE:  # a few pieces: the recurrence itself, without numpy's per-call cost
+        a, b = a0, b0
+        for value, length in zip(v.tolist(), lens.tolist()):
+            b = (b + length * a + (value >> 16) - length) % ADLER_MOD
+            a = (a + (value & 0xFFFF) - 1) % ADLER_MOD
+        return (b << 16) | a
     piece_a = v & 0xFFFF
     piece_b = v >> 16
-    a0, b0 = int(initial) & 0xFFFF, int(initial) >> 16
     steps = (piece_a - 1) % ADLER_MOD
     before = (a0 + np.concatenate(([0], np.cumsum(steps)[:-1]))) % ADLER_MOD
     a = (a0 + int(steps.sum())) % ADLER_MOD

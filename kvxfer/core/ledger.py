@@ -17,6 +17,7 @@ request ids (the engine maps generations to requests). :mod:`kvxfer.tools.simula
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -41,6 +42,8 @@ class PageState(enum.IntEnum):
 
 WRITABLE_STATES = (PageState.RESERVED, PageState.WRITTEN)
 HELD_STATES = (PageState.RESERVED, PageState.WRITTEN, PageState.READABLE, PageState.QUARANTINED)
+# the states as numpy scalars: comparing or assigning an IntEnum member costs numpy 4x an integer's
+_FREE, _RESERVED, _WRITTEN = (np.uint8(s) for s in (PageState.FREE, PageState.RESERVED, PageState.WRITTEN))
 
 
 class AllocPolicy(str, enum.Enum):
@@ -183,6 +186,19 @@ class _RandomFreeList(_FreeList):
         self._items[: self._n] = items
 
 
+@functools.lru_cache(maxsize=64)
+def _state_table_of(states: tuple[int, ...]) -> np.ndarray:
+    table = np.zeros(256, dtype=bool)  # a lookup table: cheaper than np.isin per call
+    table[list(states)] = True
+    table.setflags(write=False)
+    return table
+
+
+def _state_table(states: Iterable[PageState]) -> np.ndarray:
+    """Which page states (uint8 values) are among ``states``: a read-only lookup table."""
+    return _state_table_of(tuple(int(s) for s in states))
+
+
 def _as_pages(pages: Iterable[int] | np.ndarray) -> np.ndarray:
     array = np.asarray(pages, dtype=np.int64).reshape(-1)
     return array
@@ -223,11 +239,9 @@ class PageLedger:
         """Boolean mask: which of ``pages`` are in one of ``states`` and stamped ``generation``."""
         pages = _as_pages(pages)
         in_range = (pages >= 0) & (pages < self.num_pages)
-        safe = np.where(in_range, pages, 0)
-        allowed = np.zeros(256, dtype=bool)  # a lookup table: cheaper than np.isin per call
-        allowed[[int(s) for s in states]] = True
-        ok = allowed[self.state[safe]]
-        ok &= self.generation[safe] == np.uint64(generation)
+        # out-of-range indices read a clipped neighbour, then fail on in_range
+        ok = _state_table(states)[self.state.take(pages, mode="clip")]
+        ok &= self.generation.take(pages, mode="clip") == np.uint64(generation)
         return ok & in_range
 
     def check_custody(self, holdings: Iterable[tuple[object, int, np.ndarray, tuple[PageState, ...]]], *,
@@ -246,7 +260,7 @@ class PageLedger:
             np.add.at(held, _as_pages(pages), 1)
         if (held > 1).any():
             raise LedgerInvariantError(f"{noun} held by two requests", pages=np.flatnonzero(held > 1))
-        orphan = np.flatnonzero((held == 0) & (self.state != PageState.FREE))
+        orphan = np.flatnonzero((held == 0) & (self.state != _FREE))
         if orphan.size:
             raise LedgerInvariantError(f"{noun} held by no request", pages=orphan)
 
@@ -271,7 +285,7 @@ class PageLedger:
             # Which pages is the policy's choice; their order within the request is ours, and
             # ascending order lets runs coalesce.
             pages.sort()
-        self.state[pages] = PageState.RESERVED
+        self.state[pages] = _RESERVED
         self.generation[pages] = np.uint64(generation)
         self.allocations += 1
         return pages
@@ -289,7 +303,7 @@ class PageLedger:
             )
         if np.unique(pages).size != pages.size:
             raise PageStateError("page list names a page twice", generation=generation, pages=pages)
-        busy = pages[self.state[pages] != PageState.FREE]
+        busy = pages[self.state[pages] != _FREE]
         if busy.size:
             raise PageStateError(
                 "pages are not free (held by generations "
@@ -298,7 +312,7 @@ class PageLedger:
                 pages=busy,
             )
         self._free.remove(pages)
-        self.state[pages] = PageState.RESERVED
+        self.state[pages] = _RESERVED
         self.generation[pages] = np.uint64(generation)
         self.allocations += 1
         return pages
@@ -319,7 +333,7 @@ class PageLedger:
         ok = self.owned_by(pages, generation, allowed)
         if not ok.all():
             self._raise_not_owned(pages[~ok], generation, allowed, f"move to {new_state.name}")
-        self.state[pages] = new_state
+        self.state[pages] = np.uint8(new_state)
 
     def mark_written(self, pages: np.ndarray, generation: int) -> int:
         """RESERVED pages of ``generation`` among ``pages`` become WRITTEN; others stay as they are.
@@ -327,10 +341,10 @@ class PageLedger:
         Called by the data path once a page is covered in every buffer. Pages that meanwhile went
         QUARANTINED (or to another owner) are left alone. Returns how many pages moved."""
         pages = _as_pages(pages)
-        mine = (self.state[pages] == PageState.RESERVED) & (
+        mine = (self.state[pages] == _RESERVED) & (
             self.generation[pages] == np.uint64(generation)
         )
-        self.state[pages[mine]] = PageState.WRITTEN
+        self.state[pages[mine]] = _WRITTEN
         return int(mine.sum())
 
     def release(self, pages: np.ndarray, generation: int, *, allowed: Iterable[PageState]) -> None:
@@ -343,7 +357,7 @@ class PageLedger:
         ok = self.owned_by(pages, generation, allowed)
         if not ok.all():
             self._raise_not_owned(pages[~ok], generation, allowed, "release")
-        self.state[pages] = PageState.FREE
+        self.state[pages] = _FREE
         self._free.push(pages)
         self.releases += 1
 
@@ -354,7 +368,7 @@ class PageLedger:
         uniq = np.unique(free)
         if uniq.size != free.size:
             raise LedgerInvariantError(f"free list holds {free.size - uniq.size} duplicate pages")
-        by_state = np.flatnonzero(self.state == PageState.FREE)
+        by_state = np.flatnonzero(self.state == _FREE)
         if not np.array_equal(uniq, by_state):
             missing = np.setdiff1d(by_state, uniq)
             extra = np.setdiff1d(uniq, by_state)
@@ -364,7 +378,7 @@ class PageLedger:
             )
         if self.state.max(initial=0) > max(PageState):
             raise LedgerInvariantError("a page holds an unknown state value")
-        held = self.state != PageState.FREE
+        held = self.state != _FREE
         if (self.generation[held] == 0).any():
             raise LedgerInvariantError("a held page has no generation stamp")
         counts = self.counts()

@@ -98,9 +98,9 @@ def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, 
     dst = np.asarray(dst_pages, dtype=np.int64)
     if src.shape != dst.shape:
         raise ValueError(f"{src.size} source pages for {dst.size} destination pages")
-    if src.size == 0:
-        return src, dst, src
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    if src.size <= 1:
+        return src, dst, np.ones(src.size, dtype=np.int64)
+    breaks = np.flatnonzero(((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [src.size]))
     return src[starts], dst[starts], ends - starts
@@ -115,7 +115,11 @@ def build_batch(
     src_start, dst_start, count = coalesce(src_pages, dst_pages)
     group = np.arange(layout.num_buffers, dtype=np.int64) if buffers is None else np.asarray(buffers, np.int64)
     nb = group.size
-    items = np.repeat(np.asarray(layout.item_lens, dtype=np.int64)[group], len(count))
+    item_lens = np.asarray(layout.item_lens, dtype=np.int64)[group]
+    if nb == 1:  # one buffer: the runs as they are (np.tile and np.repeat cost more than the arithmetic)
+        return WriteBatch(slot=slot, gen=gen, buffers=np.repeat(group, len(count)), src_offsets=src_start * item_lens,
+                          dst_offsets=dst_start * item_lens, lengths=count * item_lens)
+    items = np.repeat(item_lens, len(count))
     return WriteBatch(
         slot=slot,
         gen=gen,

@@ -41,6 +41,8 @@ def expand_runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     total = int(counts.sum())
     if total == 0:
         return np.empty(0, dtype=np.int64)
+    if len(counts) == 1:
+        return np.arange(int(first[0]), int(first[0]) + total, dtype=np.int64)
     starts = np.repeat(first, counts)
     run_base = np.repeat(np.cumsum(counts) - counts, counts)
     return starts + (np.arange(total, dtype=np.int64) - run_base)

@@ -52,10 +52,11 @@ from ..core.arguments import (
     describe_buffers,
     page_array,
 )
-from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages
+from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages, combine, native_id
 from ..core.geometry import KVGeometry, fanout, serves
 from ..core.ledger import PageState
 from ..core.lifecycle import Lifecycle, SenderState
+from ..core.pagesets import has_duplicates, isin
 from ..core.pool import PagePool
 from ..core.runs import WriteBatch, build_batch
 from ..core.slicing import LegAtoms, LegShape, canonical_pieces, chunk_runs
@@ -105,12 +106,12 @@ class DoneBuilder:
             return batch.sums_ready is not None and batch.sums_ready.wait(60) and batch.item_sums is not None
 
         if self.batches and all(ready(b) for b in self.batches):
-            from ..core.checksum import combine
-
             # each batch's sums run buffer-major over its chunk, one per unit (a page, or a slice's
             # piece); a stable sort by buffer puts them in canonical order: buffer by buffer, chunks in order
             units = [b.unit_lengths(self.layout.item_lens) for b in self.batches]
             counts = [b.lengths // u for b, u in zip(self.batches, units)]
+            if len(self.batches) == 1:  # one chunk: its sums are in canonical order already
+                return combine(self.algo, self.batches[0].item_sums, np.repeat(units[0], counts[0]))
             buffers = np.concatenate([np.repeat(b.buffers, c) for b, c in zip(self.batches, counts)])
             lengths = np.concatenate([np.repeat(u, c) for u, c in zip(units, counts)])
             values = np.concatenate([b.item_sums for b in self.batches])
@@ -906,7 +907,7 @@ class Sender:
         if bad.size:
             raise InvalidArgument(f"buffer index {int(bad[0])} out of range [0, {nb})", rid=req.rid,
                                   generation=req.gen)
-        if np.unique(group).size != group.size:
+        if has_duplicates(group):
             raise InvalidArgument("buffers names a buffer twice", rid=req.rid, generation=req.gen)
         return np.sort(group)
 
@@ -941,7 +942,7 @@ class Sender:
         if chunk.size == 0:
             raise InvalidArgument("source page list is empty", rid=req.rid, generation=req.gen)
         if not req.external:
-            foreign = chunk[~np.isin(chunk, req.pages)]
+            foreign = chunk[~isin(chunk, req.pages)]
             if foreign.size:
                 raise InvalidArgument("source pages not held by this request (admit with external_pages=True to "
                                       "send pages of your own allocator)", rid=req.rid, generation=req.gen,
@@ -958,8 +959,9 @@ class Sender:
                 rid=req.rid, generation=req.gen, pages=chunk[differ][:8])
         if not req.external:
             fresh = chunk[: known.size][~fixed]
-            elsewhere = np.delete(req.order, np.arange(start, start + known.size))
-            again = fresh[np.isin(fresh, elsewhere[elsewhere >= 0])]
+            elsewhere = req.order >= 0  # positions sent before, other than these
+            elsewhere[start : start + known.size] = False
+            again = fresh[isin(fresh, req.order[elsewhere])] if elsewhere.any() else fresh[:0]
             if again.size:
                 raise InvalidArgument("source pages already sent", rid=req.rid, generation=req.gen, pages=again[:8])
         return chunk
@@ -967,12 +969,11 @@ class Sender:
     def _sum_later(self, batch: WriteBatch) -> None:
         """Source item checksums of the batch, computed on the checksum thread while the transport
         sends (the caller finished writing these pages before sending them)."""
-        from ..core.checksum import native_id
-
-        algo_id = native_id(self.checksum)
-        if (self._defer is None or algo_id is None or self.layout.device != "cpu"
-                or not self.write_log):
+        if self._defer is None or not self.write_log or self.layout.device != "cpu":
             return  # tcp takes the sums while sending (hot in cache); verbs posts without reading
+        algo_id = native_id(self.checksum)
+        if algo_id is None:
+            return
         from ..core import native
 
         event = threading.Event()

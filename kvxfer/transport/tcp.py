@@ -108,6 +108,9 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_TCP_CORK = getattr(socket, "TCP_CORK", None)  # Linux: hold partial segments until uncorked (at most 200 ms)
+
+
 def _tune(sock: socket.socket) -> None:
     """No delayed small frames; socket buffers left to the kernel's autotuning, which grows them past
     what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max) and is disabled once they are set."""
@@ -694,6 +697,7 @@ class TcpLink(FrameLink):
         self.address = address
         self._init_lane(lanes)
         self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
+        self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -763,11 +767,19 @@ class TcpLink(FrameLink):
         with self._cond:
             job = self._queue.popleft() if self._queue else None
             finish = job is None and self._closing
+            more = bool(self._queue)
         if finish:
             self._end("closed")
             return
         if job is None:
             return
+        # With more queued behind this job (a request's DONE behind its writes), hold its last partial
+        # segment until the next job's bytes join it: one transmission and one wake-up of the
+        # receiver instead of two. Released as soon as a job leaves with nothing behind it.
+        cork = more and self.faults is None and _TCP_CORK is not None
+        if cork and not self._corked:
+            self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
+            self._corked = True
         if isinstance(job, WriteJob):
             self._send_batch(job)
         elif isinstance(job, OrderedJob):
@@ -776,6 +788,9 @@ class TcpLink(FrameLink):
             send_all(self._sock, [frame])
         else:
             send_all(self._sock, job.frame)
+        if self._corked and not cork:  # nothing was queued behind this job: everything held leaves now
+            self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
+            self._corked = False
         self.frames_sent += 1
 
     def _send_batch(self, job: WriteJob) -> None:

@@ -115,7 +115,7 @@ def check_runs(runs: np.ndarray, what: str) -> np.ndarray:
     """Field limits of a run table (tcp WRITE frames, verbs write logs): no flags, no empty run,
     no run longer than a frame's payload limit, no offset past :data:`MAX_OFFSET`. With these, sums
     and page arithmetic on the runs cannot overflow."""
-    if (runs["flags"] != 0).any():
+    if runs["flags"].any():
         raise ProtocolError(f"{what} run with unknown flags")
     lengths = runs["length"]
     if (lengths == 0).any():

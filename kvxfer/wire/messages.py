@@ -15,6 +15,7 @@ else, which the hypothesis tests check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -526,6 +527,13 @@ class Error(Message):
 # encoding -------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _kinds(cls: type) -> dict[str, Kind]:
+    """A message class's fields and their kinds, in declaration order (``dataclasses.fields`` is
+    slow enough to show on a small request's path; the classes never change)."""
+    return {f.name: f.metadata["kind"] for f in dataclasses.fields(cls)}
+
+
 def _to_wire(kind: Kind, value: Any) -> Any:
     if isinstance(kind, _Geometry):
         return [] if value is None else value.wire()
@@ -543,14 +551,13 @@ def encode(message: Message) -> bytes:
     if MESSAGE_TYPES.get(cls.TYPE) is not cls:
         raise ProtocolError(f"{cls.__name__} is not a registered message type")
     body = {}
-    for f in dataclasses.fields(message):
-        kind: Kind = f.metadata["kind"]
-        value = getattr(message, f.name)
+    for name, kind in _kinds(cls).items():
+        value = getattr(message, name)
         try:
             kind.check(value)
         except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"cannot encode {cls.TYPE}.{f.name}: {exc}") from None
-        body[f.name] = _to_wire(kind, value)
+            raise ProtocolError(f"cannot encode {cls.TYPE}.{name}: {exc}") from None
+        body[name] = _to_wire(kind, value)
     data = msgpack.packb([PROTOCOL_VERSION, cls.TYPE, body], use_bin_type=True)
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{cls.TYPE} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -609,15 +616,14 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"unknown message type {type_name[:64]!r}")
     if not isinstance(body, dict):
         raise ProtocolError(f"{type_name} body must be a map")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unexpected = [k for k in body if k not in fields]
+    kinds = _kinds(cls)
+    unexpected = [k for k in body if k not in kinds]
     if unexpected:
         raise ProtocolError(f"{type_name}: unexpected field {str(unexpected[0])[:64]!r}")
     values = {}
-    for name, f in fields.items():
+    for name, kind in kinds.items():
         if name not in body:
             raise ProtocolError(f"{type_name}: missing field {name!r}")
-        kind: Kind = f.metadata["kind"]
         try:
             values[name] = kind.check(body[name])
         except (TypeError, ValueError) as exc:

@@ -1,0 +1,39 @@
+"""Set questions about page-index arrays (membership, duplicates), cheap for the small ones.
+
+A one-page request asks the same questions as a 10,000-page one (are these pages the request's? is a
+page named twice?), and numpy's general answers (``np.isin``, ``np.unique``) cost 10-30 us each
+even for one element: on a small request's path that is a large share of its latency. These
+helpers answer exactly as numpy does for every input, by brute force (one broadcast comparison) or
+with Python sets while the arrays are small, and with numpy's sort-based algorithms beyond.
+
+Invariant: each function's result equals its numpy counterpart's for any one-dimensional integer
+arrays (``tests/test_pagesets.py`` checks that over random inputs on both sides of the thresholds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# a broadcast comparison of values x pool costs about one numpy call per this many cells
+BROADCAST_CELLS = 4096
+SMALL_SET = 64  # up to this many elements a Python set beats a sort
+
+
+def isin(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """Boolean mask over ``values``: which are in ``pool`` (``np.isin(values, pool)``)."""
+    if values.size == 0 or pool.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    if values.size * pool.size <= BROADCAST_CELLS:
+        return (values.reshape(-1, 1) == pool.reshape(1, -1)).any(axis=1).reshape(values.shape)
+    return np.isin(values, pool)
+
+
+def has_duplicates(values: np.ndarray) -> bool:
+    """Whether some value occurs twice (``np.unique(values).size != values.size``)."""
+    n = values.size
+    if n < 2:
+        return False
+    if n <= SMALL_SET:
+        return len(set(values.tolist())) != n
+    ordered = np.sort(values, axis=None)
+    return bool((ordered[1:] == ordered[:-1]).any())

@@ -1,0 +1,62 @@
+"""The small-request shortcuts answer exactly as the general code does, on both sides of each threshold.
+
+``kvxfer.core.pagesets`` (membership, duplicates), the Python loop of ``combine_adler32`` for a few
+pieces, and the one-run shortcuts of ``expand_runs`` and ``coalesce`` replace numpy calls on a small
+request's path; a difference here would let a foreign page through or fail a good transfer.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from kvxfer.core import pagesets
+from kvxfer.core.checksum import SMALL_COMBINE, combine_adler32
+from kvxfer.core.runs import coalesce
+from kvxfer.core.slicing import expand_runs
+
+SIZES = [0, 1, 2, 3, 17, pagesets.SMALL_SET, pagesets.SMALL_SET + 1, 200, 5000]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("m", [0, 1, 5, 64, 65, 4096, 9000])
+def test_isin_matches_numpy(n: int, m: int) -> None:
+    rng = np.random.default_rng(n * 10007 + m)
+    values = rng.integers(0, max(2 * m, 4), n, dtype=np.int64)
+    pool = rng.integers(0, max(2 * m, 4), m, dtype=np.int64)
+    assert np.array_equal(pagesets.isin(values, pool), np.isin(values, pool))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_has_duplicates_matches_numpy(n: int) -> None:
+    rng = np.random.default_rng(n)
+    distinct = rng.permutation(10 * n + 1)[:n].astype(np.int64)
+    assert pagesets.has_duplicates(distinct) is False
+    if n >= 2:
+        twice = distinct.copy()
+        twice[-1] = twice[0]
+        assert pagesets.has_duplicates(twice) is True
+        assert (np.unique(twice).size != twice.size) is True
+
+
+@pytest.mark.parametrize("pieces", [1, 2, SMALL_COMBINE, SMALL_COMBINE + 1, 300])
+def test_combine_adler32_is_adler32_of_the_concatenation(pieces: int) -> None:
+    rng = np.random.default_rng(pieces)
+    chunks = [rng.integers(0, 256, int(rng.integers(1, 6000)), dtype=np.uint8).tobytes() for _ in range(pieces)]
+    values = np.array([zlib.adler32(c) for c in chunks], dtype=np.uint32)
+    lengths = np.array([len(c) for c in chunks], dtype=np.int64)
+    start = zlib.adler32(b"some earlier bytes")
+    assert combine_adler32(values, lengths) == zlib.adler32(b"".join(chunks))
+    assert combine_adler32(values, lengths, start) == zlib.adler32(b"".join(chunks), start)
+
+
+def test_one_run_shortcuts_match_the_general_path() -> None:
+    assert expand_runs(np.array([7]), np.array([3])).tolist() == [7, 8, 9]
+    assert expand_runs(np.array([7, 20]), np.array([2, 1])).tolist() == [7, 8, 20]
+    assert expand_runs(np.array([7]), np.array([0])).size == 0
+    src, dst, count = coalesce(np.array([5]), np.array([9]))
+    assert (src.tolist(), dst.tolist(), count.tolist()) == ([5], [9], [1])
+    src, dst, count = coalesce(np.array([5, 6, 8]), np.array([9, 10, 11]))
+    assert (src.tolist(), dst.tolist(), count.tolist()) == ([5, 8], [9, 11], [2, 1])

@@ -73,7 +73,7 @@ class Pair:
     prefill: PrefillEngine
     decode: DecodeEngine
     peer: str
-    faults: FaultInjector
+    faults: FaultInjector | None
 
     @property
     def link(self) -> Any:
@@ -224,6 +224,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
         decode_config: dict[str, Any] | None = None,
         prefill_config: dict[str, Any] | None = None,
         keyed: bool = True,
+        fault_injection: bool = True,
         **common: Any,
     ) -> Pair:
         context = max_context or prefill_pages * PAGE_TOKENS
@@ -231,7 +232,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pair]]:
         if common["transport"] == "verbs":
             common.setdefault("peer_timeout", 60.0)  # the emulated VM can stall a heartbeat for seconds
         base = EngineConfig(max_context=context, heartbeat_interval=0.2, **common)
-        faults = FaultInjector(seed=1)
+        faults = FaultInjector(seed=1) if fault_injection else None  # None: the links run as in production
         rings = Keyring.cluster(["prefill", "decode"]) if keyed else {"prefill": None, "decode": None}
         pcfg = replace(base, **{"allow_undersized_pool": allow_undersized, "keyring": rings["prefill"],
                                 **(prefill_config or {})})

@@ -430,3 +430,47 @@ def test_invalid_send_state_is_a_transfer_error_not_an_assertion(engines):
         pair.prefill.send("w")
     pair.prefill.abort("w")
 
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "TCP_CORK"), reason="TCP_CORK: Linux only")
+def test_corked_tcp_sends_deliver_every_request_and_leave_the_socket_uncorked(engines):
+    """Without fault injection (production), the tcp lane corks the socket while a request's DONE is
+    queued behind its writes: many threads sending at once must each get their bytes, and once the
+    lane is idle nothing may stay held in the kernel (a socket left corked delays the next frame)."""
+    import socket
+
+    pair = engines(fault_injection=False, prefill_pages=64, decode_pages=128)
+    assert pair.link.faults is None
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(6):
+                rid = f"cork-{t}-{i}"
+                pages = 1 + (t + i) % 5
+                pair.prefill.admit(rid, pages * PAGE_TOKENS, peer=pair.decode.engine_id)
+                pair.decode.admit(rid, pages * PAGE_TOKENS, peer=pair.peer)
+                pair.prefill.wait_ready(rid)
+                src = pair.prefill.source_pages(rid)
+                fill_random(pair.prefill.layout, src, 100 * t + i)
+                sent = [view[src].copy() for view in pair.prefill.layout.views()]  # pages are reused once sent
+                pair.prefill.send(rid)
+                assert pair.decode.wait(rid).state is R.READABLE
+                with pair.decode.read(rid) as kv:
+                    for b, expected in enumerate(sent):
+                        assert np.array_equal(kv.buffer(b), expected), f"{rid} buffer {b}"
+                pair.decode.release(rid)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the thread's request
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors[0]
+    assert not any(th.is_alive() for th in threads)
+    link = pair.link
+    wait_for(lambda: not link._queue, what="the tcp lane idle")
+    assert link._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
+    assert not link._corked

@@ -61,15 +61,14 @@ def test_a_storm_of_512_decodes_and_their_restart_all_peer_and_transfer_correct_
                               "--restart", timeout=600)
     print(text)
     assert rc == 0, text
-    for phase in ("storm", "storm_after_restart"):
-        r = report[phase]
-        assert r["peered"] == 512 and r["refused"] == 0, r
-        assert r["transfers_correct"] == 512, r
     # Every connect is answered well inside connect_timeout (30 s): the bound catches connects that wait out
     # a timeout or queue behind each other, not the speed of two shared cores. CI's two cores took 6.5-12.2 s
     # for either storm (two runs: 6.5 then 11.3 s, 12.2 then 7.3 s; both failed a 10 s bound).
     for phase in ("storm", "storm_after_restart"):
-        assert report[phase]["all_answered_s"] < 20.0, report[phase]
+        r = report[phase]
+        assert r["peered"] == 512 and r["refused"] == 0, r
+        assert r["transfers_correct"] == 512, r
+        assert r["all_answered_s"] < 20.0, r
     assert report["storm"]["prefill_with_peers"]["threads"] - report["prefill_idle"]["threads"] <= 6, report
 
 

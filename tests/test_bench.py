@@ -214,3 +214,23 @@ def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "page counts above 0" in bad.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
+                    reason="NIXL not installed (pip install --no-deps nixl-cu12)")
+def test_bench_small_requests_reports_when_nixl_target_is_notified(tmp_path):
+    """Beside NIXL's initiator DONE, the moment its target learns the transfer landed (the notification
+    a decode on NIXL waits for, READABLE's counterpart): stamped by the target, for every request of the
+    counted rounds."""
+    out = tmp_path / "small.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "1", "--page-bytes", "4K",
+                           "--requests", "20", "--repeat", "2", "--baselines", "nixl-ucx-tcp", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())["small_requests"]
+    nixl = row["nixl-ucx-tcp"]
+    assert "error" not in nixl, nixl
+    assert nixl["requests"] == 40 and nixl["from"] == "initialize_xfer-to-DONE"
+    assert nixl["notified_requests"] == 40 and 0 < nixl["notified_p50_s"] <= nixl["notified_p99_s"]
+    assert row["over_nixl-ucx-tcp_notified_p50"] == round(row["kvxfer-tcp"]["send_p50_s"] / nixl["notified_p50_s"], 3)
+    assert "NIXL notified" in proc.stdout

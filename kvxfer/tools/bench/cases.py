@@ -265,6 +265,7 @@ class PeerSession(Session):
         self.request_pages, self.concurrency = _per, config.concurrency
         self.rounds = 0
         self.latencies: list[float] = []  # per-request seconds of the counted rounds, where the peer reports them
+        self.notified: list[float] = []  # NIXL: initialize_xfer to the target's notification, same rounds
 
     def _spawn(self, role: str, *extra: str) -> tuple[Any, dict[str, Any]]:
         import os
@@ -297,7 +298,7 @@ class PeerSession(Session):
                     continue
 
     def start(self) -> None:
-        _target, info = self._spawn("target")
+        self.target, info = self._spawn("target")
         info.update(request_pages=self.request_pages, concurrency=self.concurrency)
         self.initiator, _ = self._spawn("initiator", json.dumps(info))
         self._park(True)
@@ -319,6 +320,7 @@ class PeerSession(Session):
             self.initiator.stdin.write("go\n")
             self.initiator.stdin.flush()
             info = self._read(self.initiator) or {"error": "initiator died"}
+            arrivals = self._arrivals(info.get("began")) if "error" not in info else {}
         finally:
             self._park(True)
         if "error" in info:
@@ -328,7 +330,29 @@ class PeerSession(Session):
             self.latencies.extend(info["latencies"])
             record_latency(self.result, self.latencies, self.request_pages,
                            "initialize_xfer-to-DONE" if self.args[0].startswith("nixl") else "batch_transfer_sync_write")
+            began = info.get("began") or {}
+            self.notified.extend(arrivals[tag] - began[tag] for tag in began if tag in arrivals)
+            if self.notified:
+                ordered = sorted(self.notified)
+                self.result.extra.update({"notified_from": "initialize_xfer-to-target-notification",
+                                          "notified_requests": len(ordered),
+                                          "notified_p50_s": round(percentile(ordered, 50), 6),
+                                          "notified_p99_s": round(percentile(ordered, 99), 6)})
         return float(info["seconds"])
+
+    def _arrivals(self, began: dict[str, float] | None) -> dict[str, float]:
+        """NIXL: when each of the round's notifications reached the target (its own clock, which the
+        initiator shares); empty for peers that send none."""
+        if not began:
+            return {}
+        self.target.stdin.write(f"arrivals {len(began)}\n")
+        self.target.stdin.flush()
+        reply = self._read(self.target) or {}
+        arrivals = reply.get("arrivals") or {}
+        if self.rounds >= 1 and len(arrivals) < len(began):  # counted rounds only: say what did not arrive
+            raise RuntimeError(f"{len(began) - len(arrivals)} of {len(began)} NIXL notifications never reached "
+                               "the target within 10 s")
+        return arrivals
 
     def close(self, *, measure: bool = True) -> None:
         self._park(False)

@@ -33,6 +33,10 @@ import numpy as np
 from .. import procs
 
 HEADER = struct.Struct("<IQ")
+# NIXL's target polls its notifications this often: with no pause the poller competed with NIXL's own
+# progress thread for two cores, and notifications arrived later (one-page p50 0.27-0.36 ms against
+# 0.24-0.29 ms with this pause, two runs each)
+POLL_PAUSE = 50e-6
 MOONCAKE_BATCH = 1024
 
 
@@ -175,19 +179,53 @@ def _nixl(name: str, *, progress_thread: bool) -> Any:
 
 
 def nixl_target(pages: int, page_bytes: int, pool_pages: int) -> None:
+    """The destination pool, and the decode's side of a NIXL completion: a thread polls
+    ``get_new_notifs`` every :data:`POLL_PAUSE` (SGLang's NIXL decode polls them from its event loop)
+    and stamps each notification's arrival on the monotonic clock the initiator shares. ``arrivals N`` waits (up to 10 s) until N have arrived since the last report and
+    prints them, ``{"arrivals": {notif: seconds}}``."""
+    import threading
+
     agent = _nixl("kvxfer-bench-target", progress_thread=True)
     pool = _pool(pool_pages, page_bytes)
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     meta = base64.b64encode(agent.get_agent_metadata()).decode()
+    arrivals: dict[str, float] = {}
+    cond = threading.Condition()
+    quitting = threading.Event()
+
+    def poll() -> None:
+        while not quitting.is_set():
+            notifs = agent.get_new_notifs()
+            if not notifs:
+                time.sleep(POLL_PAUSE)
+                continue
+            now = time.perf_counter()
+            with cond:
+                for messages in notifs.values():
+                    for message in messages:
+                        arrivals[message.decode(errors="replace")] = now
+                cond.notify_all()
+
+    poller = threading.Thread(target=poll, name="nixl-notifs", daemon=True)
+    poller.start()
     _say({"ready": True, "metadata": meta, "base": pool.ctypes.data})
-    for _ in _commands():
-        pass
+    for line in _commands():
+        if line.startswith("arrivals"):
+            wanted = int(line.split()[1])
+            with cond:
+                cond.wait_for(lambda n=wanted: len(arrivals) >= n, timeout=10.0)
+                report = dict(arrivals)
+                arrivals.clear()
+            _say({"arrivals": report})
+    quitting.set()
+    poller.join(timeout=5.0)
 
 
 def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
     """Each round moves the pages as requests of ``request_pages`` (kvxfer's ``--request-bytes``), up
     to ``concurrency`` in flight, as kvxfer's bench loops do, and reports every request's latency
-    (from its ``initialize_xfer`` to DONE) beside the round's seconds."""
+    (from its ``initialize_xfer`` to DONE) beside the round's seconds, and when each began, by the
+    notification it carries (``began``), which the target stamps as it arrives."""
     agent = _nixl("kvxfer-bench-initiator", progress_thread=False)
     pool = _pool(pool_pages, page_bytes)
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
@@ -205,14 +243,16 @@ def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[st
         todo = list(range(0, pages, per_request))
         in_flight: list[tuple[Any, float]] = []
         latencies: list[float] = []
+        began_at: dict[str, float] = {}
         start = time.perf_counter()
         while todo or in_flight:
             while todo and len(in_flight) < concurrency:
                 lo = todo.pop(0)
-                began = time.perf_counter()
+                notif = f"r{round_no}-{lo}"
+                began = began_at[notif] = time.perf_counter()
                 handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src[lo : lo + per_request], "DRAM"),
                                                agent.get_xfer_descs(dst[lo : lo + per_request], "DRAM"),
-                                               remote, f"r{round_no}-{lo}".encode())
+                                               remote, notif.encode())
                 state = agent.transfer(handle)
                 if state not in ("PROC", "DONE"):
                     _say({"error": f"NIXL transfer ended in state {state}"})
@@ -228,7 +268,7 @@ def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[st
             latencies.append(time.perf_counter() - began)
             agent.release_xfer_handle(handle)
             in_flight.pop(0)
-        _say({"seconds": time.perf_counter() - start, "latencies": latencies})
+        _say({"seconds": time.perf_counter() - start, "latencies": latencies, "began": began_at})
 
 
 ROLES = {

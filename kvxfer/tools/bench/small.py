@@ -13,7 +13,9 @@ otherwise). Reported per request, nearest-rank p50 and p99 over every request of
 * kvxfer **admit to READABLE**: from the decode's admission, through its destination (META) reaching
   the prefill, to READABLE: the whole protocol, which a NIXL or Mooncake user builds around them
   (SGLang's bootstrap, vLLM's side channel) and which their figures leave out;
-* NIXL (UCX over TCP): ``initialize_xfer`` to the initiator seeing DONE; Mooncake: its
+* NIXL (UCX over TCP): ``initialize_xfer`` to the initiator seeing DONE, and to the target's
+  ``get_new_notifs`` returning the transfer's notification (*notified*: when a decode on NIXL, as
+  SGLang's, learns that its KV landed; the counterpart of READABLE, without its checks); Mooncake: its
   ``transfer_sync_write`` call.
 
 The ratios kvxfer / NIXL and kvxfer / Mooncake (p50, send to READABLE) come from one run; below 1
@@ -78,6 +80,10 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
                         continue
                     entry = {"p50_s": r.extra.get("latency_p50_s"), "p99_s": r.extra.get("latency_p99_s"),
                              "from": r.extra.get("latency_from"), "requests": r.extra.get("latency_requests")}
+                    if "notified_p50_s" in r.extra:
+                        entry["notified_p50_s"] = r.extra["notified_p50_s"]
+                        entry["notified_p99_s"] = r.extra["notified_p99_s"]
+                        entry["notified_requests"] = r.extra["notified_requests"]
                     if "send_latency_p50_s" in r.extra:
                         entry["send_p50_s"] = r.extra["send_latency_p50_s"]
                         entry["send_p99_s"] = r.extra["send_latency_p99_s"]
@@ -87,6 +93,8 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
                     theirs = row.get(peer, {})
                     if kvxfer.get("send_p50_s") and theirs.get("p50_s"):
                         row[f"over_{peer}_p50"] = round(kvxfer["send_p50_s"] / theirs["p50_s"], 3)
+                    if kvxfer.get("send_p50_s") and theirs.get("notified_p50_s"):
+                        row[f"over_{peer}_notified_p50"] = round(kvxfer["send_p50_s"] / theirs["notified_p50_s"], 3)
                 rows.append(row)
     return rows, skipped
 
@@ -101,8 +109,8 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None) -> 
     name = f"kvxfer-{config.transport}"
     table = Table(title=f"kvxfer bench --small-requests ({config.transport}): per-request latency p50 / p99, ms, "
                         "one request in flight")
-    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer admit->READABLE", "NIXL", "Mooncake",
-                   "/ NIXL", "/ Mooncake"):
+    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer admit->READABLE", "NIXL DONE",
+                   "NIXL notified", "Mooncake", "/ NIXL DONE", "/ NIXL notified", "/ Mooncake"):
         table.add_column(column, overflow="fold", justify="right")
     failed = False
     for row in rows:
@@ -114,16 +122,21 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None) -> 
                 return f"FAILED: {entry['error']}"
             return f"{_ms(entry.get(p50))} / {_ms(entry.get(p99))}" if entry.get(p50) is not None else "-"
 
-        ratios = [f"{row[key]:.2f}x" if key in row else "-" for key in ("over_nixl-ucx-tcp_p50", "over_mooncake-tcp_p50")]
+        ratios = [f"{row[key]:.2f}x" if key in row else "-"
+                  for key in ("over_nixl-ucx-tcp_p50", "over_nixl-ucx-tcp_notified_p50", "over_mooncake-tcp_p50")]
+        nixl = row.get("nixl-ucx-tcp", {})
         table.add_row(f"{row['page_bytes']:,} B", f"{row['request_pages']} pages", cell(k, "send_p50_s", "send_p99_s"),
-                      cell(k), cell(row.get("nixl-ucx-tcp", {})), cell(row.get("mooncake-tcp", {})), *ratios)
+                      cell(k), cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
+                      cell(row.get("mooncake-tcp", {})), *ratios)
     console.print(table)
     for peer, reason in skipped.items():
         console.print(f"{peer}: skipped, {reason}", markup=False, highlight=False, soft_wrap=True)
     console.print("kvxfer send->READABLE: the prefill's send() to the decode's READABLE, verified (the data path, "
                   "as NIXL's initialize_xfer->DONE and Mooncake's transfer_sync_write); admit->READABLE adds the "
-                  "destination's round trip (META), which the peers leave to their users. / NIXL, / Mooncake: kvxfer "
-                  "send->READABLE p50 over theirs (below 1: kvxfer is faster).", markup=False, highlight=False,
+                  "destination's round trip (META), which the peers leave to their users. NIXL notified: initialize_xfer "
+                  "to the target's get_new_notifs returning the transfer's notification (the moment an SGLang decode "
+                  "on NIXL learns its KV landed, as READABLE is kvxfer's). / NIXL DONE, / NIXL notified, / Mooncake: "
+                  "kvxfer send->READABLE p50 over theirs (below 1: kvxfer is faster).", markup=False, highlight=False,
                   soft_wrap=True)
     console.print(f"bench took {time.monotonic() - started:.1f} s on {os.cpu_count()} cores", markup=False,
                   highlight=False)

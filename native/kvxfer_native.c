@@ -52,6 +52,15 @@
  * 1 = CRC32. */
 typedef uint32_t (*checksum_fn)(uint32_t, const uint8_t *, uint32_t);
 static checksum_fn checksums[2] = {NULL, NULL};
+/* and its combinations: Adler-32 of a concatenation from the pieces' own; CRC32's operator for a
+ * piece length (made once per distinct length in a row), applied per piece */
+typedef uint32_t (*adler_combine_fn)(uint32_t, uint32_t, int64_t);
+typedef uint32_t (*crc_combine_gen_fn)(int64_t);
+typedef uint32_t (*crc_combine_op_fn)(uint32_t, uint32_t, const uint32_t);
+static adler_combine_fn adler_combine = NULL;
+static crc_combine_gen_fn crc_combine_gen = NULL;
+static crc_combine_op_fn crc_combine_op = NULL;
+static checksum_fn pick_checksum(int algo);
 
 static PyObject *load_zlib_ng(PyObject *self, PyObject *args) {
     const char *path;
@@ -60,11 +69,67 @@ static PyObject *load_zlib_ng(PyObject *self, PyObject *args) {
     if (handle == NULL) Py_RETURN_FALSE;
     checksums[0] = (checksum_fn)dlsym(handle, "zng_adler32");
     checksums[1] = (checksum_fn)dlsym(handle, "zng_crc32");
-    if (checksums[0] == NULL || checksums[1] == NULL) {
+    adler_combine = (adler_combine_fn)dlsym(handle, "zng_adler32_combine");
+    crc_combine_gen = (crc_combine_gen_fn)dlsym(handle, "zng_crc32_combine_gen");
+    crc_combine_op = (crc_combine_op_fn)dlsym(handle, "zng_crc32_combine_op");
+    if (checksums[0] == NULL || checksums[1] == NULL || adler_combine == NULL || crc_combine_gen == NULL ||
+        crc_combine_op == NULL) {
         checksums[0] = checksums[1] = NULL;
+        adler_combine = NULL;
+        crc_combine_gen = NULL;
+        crc_combine_op = NULL;
         Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
+}
+
+/* combine_items(algo, initial, values, lengths) -> int: the checksum of the concatenation of pieces,
+ * continued from `initial`, where values (uint32) are each piece's own checksum (from the algorithm's
+ * start value) and lengths (uint64) their byte counts: zlib-ng's combinations, in C with the GIL
+ * released (a 64 MiB request of 4 KiB pages is 16,384 pieces per verification). */
+static PyObject *combine_items(PyObject *self, PyObject *args) {
+    int algo;
+    unsigned long long initial;
+    Py_buffer values, lens;
+    if (!PyArg_ParseTuple(args, "iKy*y*", &algo, &initial, &values, &lens)) return NULL;
+    PyObject *out = NULL;
+    if (pick_checksum(algo) == NULL) goto done;
+    if (values.len % 4 != 0 || lens.len % 8 != 0 || values.len / 4 != lens.len / 8) {
+        PyErr_SetString(PyExc_ValueError, "values must be uint32 and lengths uint64, one per piece");
+        goto done;
+    }
+    size_t n = (size_t)values.len / 4;
+    const uint32_t *v = (const uint32_t *)values.buf;
+    const uint64_t *l = (const uint64_t *)lens.buf;
+    uint32_t acc = (uint32_t)initial;
+    for (size_t i = 0; i < n; i++) {
+        if (l[i] > (uint64_t)INT64_MAX) {
+            PyErr_SetString(PyExc_ValueError, "a piece length does not fit 63 bits");
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (algo == 0) {
+        for (size_t i = 0; i < n; i++) acc = adler_combine(acc, v[i], (int64_t)l[i]);
+    } else {
+        uint64_t op_len = 0;
+        uint32_t op = 0;
+        int have_op = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!have_op || l[i] != op_len) {
+                op = crc_combine_gen((int64_t)l[i]);
+                op_len = l[i];
+                have_op = 1;
+            }
+            acc = crc_combine_op(acc, v[i], op);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    out = PyLong_FromUnsignedLong(acc);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&lens);
+    return out;
 }
 
 static checksum_fn pick_checksum(int algo) {
@@ -925,6 +990,8 @@ static PyMethodDef methods[] = {
     {"ring_load", ring_load, METH_VARARGS, "ring_load(address) -> int: load-acquire of a 64-bit word"},
     {"ring_store", ring_store, METH_VARARGS, "ring_store(address, value): store-release of a 64-bit word"},
     {"checksum_runs", checksum_runs, METH_VARARGS, "checksum_runs(algo, value, addresses, lengths) -> int"},
+    {"combine_items", combine_items, METH_VARARGS,
+     "combine_items(algo, initial, values, lengths) -> int: the checksum of concatenated pieces"},
     {"load_zlib_ng", load_zlib_ng, METH_VARARGS, "load_zlib_ng(path) -> bool: use zlib-ng's C checksums"},
     {"recv_runs", recv_runs, METH_VARARGS, "recv_runs(fd, addresses, lengths): fill runs from a socket"},
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,

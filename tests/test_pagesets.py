@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 
-from kvxfer.core import pagesets
-from kvxfer.core.checksum import SMALL_COMBINE, combine_adler32
+from kvxfer.core import native, pagesets
+from kvxfer.core.checksum import SMALL_COMBINE, ChecksumAlgo, combine, combine_adler32, combine_crc32
 from kvxfer.core.runs import coalesce
 from kvxfer.core.slicing import expand_runs
 
@@ -50,6 +50,32 @@ def test_combine_adler32_is_adler32_of_the_concatenation(pieces: int) -> None:
     start = zlib.adler32(b"some earlier bytes")
     assert combine_adler32(values, lengths) == zlib.adler32(b"".join(chunks))
     assert combine_adler32(values, lengths, start) == zlib.adler32(b"".join(chunks), start)
+
+
+@pytest.mark.parametrize("algo", [ChecksumAlgo.ADLER32, ChecksumAlgo.CRC32])
+@pytest.mark.parametrize("pieces", [0, 1, 2, 300])
+def test_combine_is_the_checksum_of_the_concatenation(algo: ChecksumAlgo, pieces: int) -> None:
+    """``combine`` (zlib-ng's combinations in C where the native path loaded them, else Python) and
+    the Python functions agree with the checksum of the bytes themselves, for empty pieces, pieces
+    longer than Adler's modulus, runs of equal lengths (CRC32's operator is reused across them) and
+    a nonzero start."""
+    rng = np.random.default_rng(pieces)
+    sizes = [] if not pieces else [0, 65521, 65522, 200_000, *[4096] * 5, *rng.integers(1, 6000, pieces).tolist()]
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    fn = zlib.adler32 if algo is ChecksumAlgo.ADLER32 else zlib.crc32
+    values = np.array([fn(c) for c in chunks], dtype=np.uint32)
+    lengths = np.array([len(c) for c in chunks], dtype=np.int64)
+    assert combine(algo, values, lengths) == fn(b"".join(chunks))
+    python = combine_adler32 if algo is ChecksumAlgo.ADLER32 else combine_crc32
+    start = fn(b"some earlier bytes")
+    assert python(values, lengths, start) == fn(b"".join(chunks), start)
+    if native.checksums_in_c:
+        lib = native.lib
+        algo_id = 0 if algo is ChecksumAlgo.ADLER32 else 1
+        got = lib.combine_items(algo_id, start, values.tobytes(), lengths.astype(np.uint64).tobytes())
+        assert got == fn(b"".join(chunks), start)
+        with pytest.raises(ValueError, match="one per piece"):
+            lib.combine_items(algo_id, start, values.tobytes() + b"\0\0\0\0", lengths.astype(np.uint64).tobytes())
 
 
 def test_one_run_shortcuts_match_the_general_path() -> None:

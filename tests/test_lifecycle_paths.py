@@ -325,8 +325,11 @@ def test_writes_after_fence_land_nowhere(engines):
     assert pair.decode.status("f").state is R.FAILED
     try:
         pair.prefill.send("f")
-    except TransferFailed as exc:  # layer-wise: a later layer finds the request failed by an earlier one's writes
-        assert "failed on the wire" in str(exc)
+    except TransferFailed as exc:
+        # layer-wise: a later layer finds the request failed by an earlier one's writes, or (a link
+        # that already saw its connection close: under load, shm's idle check can come first) the
+        # first layer's post is refused by the closed link
+        assert "failed on the wire" in str(exc) or ("could not post writes" in str(exc) and "closed" in str(exc)), exc
     wait_for(lambda: not old_link.alive, what="link to notice the fence")
     assert pair.decode.stats()["writes"]["landed_bytes"] == landed_before
     assert pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages

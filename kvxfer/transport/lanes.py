@@ -63,11 +63,12 @@ class LaneLink:
         self._serving: threading.Thread | None = None  # the lane serving a step now
         self._ended = threading.Event()
 
-    def _kick(self) -> None:
-        """Under ``_cond``: schedule a step unless one is scheduled or the link ended."""
+    def _kick(self, *, continuing: bool = False) -> None:
+        """Under ``_cond``: schedule a step unless one is scheduled or the link ended. ``continuing``:
+        called by the link's own step as its last act on the lane serving it (it has more to do)."""
         if not self._scheduled and not self._ended.is_set():
             self._scheduled = True
-            self._lanes.ready(self)  # type: ignore[arg-type]
+            self._lanes.ready(self, continuing=continuing)  # type: ignore[arg-type]
 
     def wake(self) -> None:
         with self._cond:
@@ -95,17 +96,27 @@ class SendLanes:
                          for i in range(threads)]
         self._watcher = (threading.Thread(target=self._watch_loop, name=f"kvxfer-{name}-watch", daemon=True)
                          if watch else None)
+        self._lane_threads = frozenset(self._threads)
         for thread in self._threads:
             thread.start()
         if self._watcher is not None:
             self._watcher.start()
 
     # scheduling ------------------------------------------------------------------------------------
-    def ready(self, link: Served) -> None:
-        """Put ``link`` on the ready queue (its caller guarantees it is not there already)."""
+    def ready(self, link: Served, *, continuing: bool = False) -> None:
+        """Put ``link`` on the ready queue (its caller guarantees it is not there already).
+
+        ``continuing``: the link's own step calls this as its last act, on a lane, and returns to
+        the lane's loop at once. When nothing else is queued, that lane takes the link next, so no
+        idle lane is woken for it: a woken lane would find the queue empty and sleep again, one
+        wasted thread wake-up per step (per 2 MiB frame, and per job of a small request) fighting
+        the serving lane for two cores and the interpreter. With others queued, a lane is woken as
+        always, so a link never waits behind a lane that blocks on another link's socket."""
         with self._cond:
+            alone = not self._ready
             self._ready.append(link)
-            self._cond.notify()
+            if not (continuing and alone and threading.current_thread() in self._lane_threads):
+                self._cond.notify()
 
     def wake_at(self, link: Served, when: float) -> None:
         """Call ``link.wake()`` at monotonic time ``when``."""

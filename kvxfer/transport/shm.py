@@ -898,7 +898,7 @@ class ShmLink(FrameLink):
             if self._ended.is_set():
                 return
             if self._queue or self._closing or self._abort:
-                self._kick()
+                self._kick(continuing=True)
                 return
             due = self.faults.next_due() if self.faults is not None else None
         when = time.monotonic() + IDLE_CHECK

@@ -750,7 +750,7 @@ class TcpLink(FrameLink):
             if self._ended.is_set():
                 return
             if self._queue or self._closing or self._lost:
-                self._kick()
+                self._kick(continuing=True)
                 return
             due = self.faults.next_due() if self.faults is not None else None
         if due is not None:

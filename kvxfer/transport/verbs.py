@@ -858,7 +858,7 @@ class VerbsLink(SenderLink, LaneLink):
             postable = self._queue and self._outstanding < SQ_DEPTH - 64
             busy = self._queue or self._inflight or self._ordered or self._held
             if postable or (self._closing and not busy):
-                self._kick()
+                self._kick(continuing=True)
                 return
         if busy:
             self._lanes.wake_at(self, time.monotonic() + POLL_AGAIN_S)

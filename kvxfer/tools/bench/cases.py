@@ -128,14 +128,18 @@ def record_latency(result: CaseResult, latencies: list[float], request_pages: in
     ``result.extra``."""
     if not latencies:
         return
-    ordered = sorted(latencies)
     result.extra.update({
         "latency_from": measured_from,
         "request_bytes": request_pages * result.page_bytes,
-        "latency_requests": len(ordered),
-        "latency_p50_s": round(percentile(ordered, 50), 6),
-        "latency_p99_s": round(percentile(ordered, 99), 6),
+        "latency_requests": len(latencies),
+        **p50_p99("latency", latencies),
     })
+
+
+def p50_p99(prefix: str, seconds: list[float]) -> dict[str, float]:
+    """``{prefix}_p50_s`` and ``{prefix}_p99_s``: nearest-rank percentiles of ``seconds`` (not empty)."""
+    ordered = sorted(seconds)
+    return {f"{prefix}_p50_s": round(percentile(ordered, 50), 6), f"{prefix}_p99_s": round(percentile(ordered, 99), 6)}
 
 
 class KvxferSession(Session):
@@ -205,9 +209,7 @@ class KvxferSession(Session):
         # per-request latency, admission to READABLE (verified) on the decode side
         record_latency(self.result, self.latencies, self.per_request, "admit-to-READABLE")
         if self.data_latencies:  # and from the prefill's send() to READABLE: the data path's share
-            ordered = sorted(self.data_latencies)
-            self.result.extra.update({"send_latency_p50_s": round(percentile(ordered, 50), 6),
-                                      "send_latency_p99_s": round(percentile(ordered, 99), 6)})
+            self.result.extra.update(p50_p99("send_latency", self.data_latencies))
         return float(received["seconds"])
 
     def close(self, *, measure: bool = True) -> None:
@@ -333,11 +335,8 @@ class PeerSession(Session):
             began = info.get("began") or {}
             self.notified.extend(arrivals[tag] - began[tag] for tag in began if tag in arrivals)
             if self.notified:
-                ordered = sorted(self.notified)
                 self.result.extra.update({"notified_from": "initialize_xfer-to-target-notification",
-                                          "notified_requests": len(ordered),
-                                          "notified_p50_s": round(percentile(ordered, 50), 6),
-                                          "notified_p99_s": round(percentile(ordered, 99), 6)})
+                                          "notified_requests": len(self.notified), **p50_p99("notified", self.notified)})
         return float(info["seconds"])
 
     def _arrivals(self, began: dict[str, float] | None) -> dict[str, float]:

@@ -181,8 +181,9 @@ def _nixl(name: str, *, progress_thread: bool) -> Any:
 def nixl_target(pages: int, page_bytes: int, pool_pages: int) -> None:
     """The destination pool, and the decode's side of a NIXL completion: a thread polls
     ``get_new_notifs`` every :data:`POLL_PAUSE` (SGLang's NIXL decode polls them from its event loop)
-    and stamps each notification's arrival on the monotonic clock the initiator shares. ``arrivals N`` waits (up to 10 s) until N have arrived since the last report and
-    prints them, ``{"arrivals": {notif: seconds}}``."""
+    and stamps each notification's arrival on the monotonic clock the initiator shares. ``arrivals N``
+    waits (up to 10 s) until N have arrived since the last report and prints them,
+    ``{"arrivals": {notif: seconds}}``."""
     import threading
 
     agent = _nixl("kvxfer-bench-target", progress_thread=True)

@@ -48,13 +48,15 @@ TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1",  # else SGLang asserts about NU
            "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}  # else it builds an NCCL communicator on the CPU
 
 
-def port_pairs(n: int) -> list[int]:
-    """``n`` ports whose successors are free too (rank r of a TP 2 server serves metrics on port + r)."""
+def port_pairs(n: int, avoid: set[int]) -> list[int]:
+    """``n`` ports whose successors are free too (rank r of a TP 2 server serves metrics on port + r),
+    none of them or their successors in ``avoid``, which gets them all."""
     out: list[int] = []
     while len(out) < n:
-        port = free_ports(1)[0]
-        if port + 1 < 32000 and port not in out and port + 1 not in out and free_ports_at(port + 1):
+        port = free_ports(1, avoid=avoid)[0]
+        if port + 1 < 32000 and port + 1 not in avoid and free_ports_at(port + 1):
             out.append(port)
+            avoid.update((port, port + 1))
     return out
 
 
@@ -76,9 +78,19 @@ class Cluster:
         (self.ref_port, self.prefill_port, self.bootstrap_port, self.decode_port, self.router_port,
          self.prefill2_port, self.bootstrap2_port, self.decode2_port, self.odd_port,
          self.r21_port, self.r12_port, self.r22_port, self.odd_router_port,
-         self.prefill_b_port, self.bootstrap_b_port, self.decode_b_port, self.fleet_router_port) = free_ports(17)
+         self.prefill_b_port, self.bootstrap_b_port, self.decode_b_port, self.fleet_router_port) = ports = free_ports(17)
+        # every port a server is given comes from one book, so no two collide: the metrics ports, and the
+        # distributed-init (TCPStore) port, which SGLang otherwise picks at random in 22000-29999 as it
+        # starts, before the metrics ports (bound after the model loads) are taken
+        taken = set(ports)
         (self.prefill_metrics, self.decode_metrics, self.prefill2_metrics, self.decode2_metrics,
-         self.odd_metrics, self.prefill_b_metrics, self.decode_b_metrics) = port_pairs(7)
+         self.odd_metrics, self.prefill_b_metrics, self.decode_b_metrics) = port_pairs(7, taken)
+
+        def own_ports(count: int) -> list[int]:
+            chosen = free_ports(count, avoid=taken)
+            taken.update(chosen)
+            return chosen
+
         path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # layer-wise sends on (the default) for every prompt: the e2e prompts are shorter than the
         # default switch point, below which a prefill sends whole
@@ -86,13 +98,18 @@ class Cluster:
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60",
                    KVXFER_LAYERWISE="1", KVXFER_LAYERWISE_MIN_TOKENS="0")
         env.pop("KVXFER_TEST_FAULTS", None)
-        common = ["-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS, "--context-length", str(CONTEXT)]
-        paged = [*common, "--page-size", str(PAGE)]
+        launch = ["-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS, "--context-length", str(CONTEXT)]
+
+        def common() -> list[str]:
+            return [*launch, "--nccl-port", str(own_ports(1)[0])]
+
+        def paged() -> list[str]:
+            return [*common(), "--page-size", str(PAGE)]
 
         def prefill(name: str, port: int, bootstrap: int, metrics: int, tp: int) -> Server:
             return Server(
                 name,
-                [*paged, "--port", str(port), "--max-total-tokens", str(PREFILL_POOL), "--tp", str(tp),
+                [*paged(), "--port", str(port), "--max-total-tokens", str(PREFILL_POOL), "--tp", str(tp),
                  "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvxfer",
                  "--disaggregation-bootstrap-port", str(bootstrap)],
                 env=dict(env, KVXFER_ALLOW_UNDERSIZED_POOL="1", KVXFER_METRICS_PORT=str(metrics),
@@ -101,7 +118,7 @@ class Cluster:
         def decode(name: str, port: int, metrics: int, tp: int, page: int = PAGE) -> Server:
             return Server(
                 name,
-                [*common, "--page-size", str(page), "--port", str(port), "--max-total-tokens", str(4 * CONTEXT),
+                [*common(), "--page-size", str(page), "--port", str(port), "--max-total-tokens", str(4 * CONTEXT),
                  "--tp", str(tp), "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvxfer",
                  "--disaggregation-decode-retraction-backup", "none"],
                 env=dict(env, KVXFER_METRICS_PORT=str(metrics), **(TP2_ENV if tp > 1 else {})), log_dir=logs)
@@ -115,11 +132,11 @@ class Cluster:
                 name,
                 ["-m", "sglang_router.launch_router", "--pd-disaggregation", *prefills, *decodes,
                  "--host", "127.0.0.1",
-                 "--port", str(port), "--policy", "round_robin", "--prometheus-port", str(free_ports(1)[0])],
+                 "--port", str(port), "--policy", "round_robin", "--prometheus-port", str(own_ports(1)[0])],
                 env=env, log_dir=logs)
 
         # a pool of its own size: without one SGLang sizes it from the machine's free memory (10 GB here)
-        self.ref = Server("reference", [*paged, "--port", str(self.ref_port), "--max-total-tokens", str(4 * CONTEXT)],
+        self.ref = Server("reference", [*paged(), "--port", str(self.ref_port), "--max-total-tokens", str(4 * CONTEXT)],
                           env=env, log_dir=logs)
         self.prefill = prefill("prefill", self.prefill_port, self.bootstrap_port, self.prefill_metrics, 1)
         self.decode = decode("decode", self.decode_port, self.decode_metrics, 1)

@@ -109,18 +109,18 @@ class PortTaken(RuntimeError):
     """A server could not bind the port it was given (another process took it in the meantime)."""
 
 
-def free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
-    """``n`` distinct ports that bind now, below the kernel's ephemeral range (32768 and up by
-    default), where servers' own bind-to-0 ports and outgoing connections are allocated, so a port
-    chosen here is not taken by one of them before its server binds it (a server binds its HTTP
-    port only after loading its model)."""
+def free_ports(n: int, low: int = 20000, high: int = 32000, *, avoid: Any = ()) -> list[int]:
+    """``n`` distinct ports that bind now, none of ``avoid`` (ports handed out already, not bound yet),
+    below the kernel's ephemeral range (32768 and up by default), where servers' own bind-to-0 ports
+    and outgoing connections are allocated, so a port chosen here is not taken by one of them before
+    its server binds it (a server binds its HTTP port only after loading its model)."""
     import random
     import socket
 
     ports: list[int] = []
     while len(ports) < n:
         port = random.randrange(low, high)
-        if port in ports:
+        if port in ports or port in avoid:
             continue
         with socket.socket() as sock:
             try:
@@ -149,14 +149,17 @@ class Server:
 
     def wait_ready(self, url: str, *, timeout: float = 300.0, check: Any = None) -> None:
         """Until ``url`` answers 200 (and ``check`` accepts the body). Fails at once if the process
-        exited, and raises :class:`PortTaken` if its log says its port was taken (SGLang's HTTP
-        server logs the bind error and keeps its processes alive: waiting would only time out)."""
+        exited, and raises :class:`PortTaken` if its log says a port it was given was taken, whether
+        it exited of it (a kvxfer engine's metrics port) or not (SGLang's HTTP server logs the bind
+        error and keeps its processes alive: waiting would only time out)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
+            exited = self.process is not None and self.process.poll() is not None
+            if "address already in use" in self.tail(200).lower():
+                raise PortTaken(f"{self.name}: a port it was given was taken before it bound it"
+                                f"{' (it exited)' if exited else ''}:\n{self.tail()}")
+            if exited:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
-            if "address already in use" in self.tail(200):
-                raise PortTaken(f"{self.name}: its port was taken before it bound it:\n{self.tail()}")
             try:
                 status, body = request_json("GET", url, timeout=5)
                 if status == 200 and (check is None or check(body)):

@@ -30,6 +30,20 @@ def test_isin_matches_numpy(n: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [np.bool_, np.uint8, np.uint32, np.int64, np.uint64])
+def test_any_all_total_match_numpy(n: int, dtype: type) -> None:
+    rng = np.random.default_rng(n + 3)
+    for values in (np.zeros(n, dtype=dtype), np.ones(n, dtype=dtype),
+                   rng.integers(0, 2, n).astype(dtype), (rng.integers(0, 2, (2, n)) > 0).astype(dtype)):
+        assert pagesets.any_set(values) is bool(values.any())
+        assert pagesets.all_set(values) is bool(values.all())
+        if dtype is not np.bool_:
+            assert pagesets.total(values) == int(values.sum())
+    big = np.full(n, np.iinfo(np.uint32).max, dtype=np.uint32)  # would wrap in 32 bits
+    assert pagesets.total(big) == int(big.sum()) == n * int(np.iinfo(np.uint32).max)
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_has_duplicates_matches_numpy(n: int) -> None:
     rng = np.random.default_rng(n)
     distinct = rng.permutation(10 * n + 1)[:n].astype(np.int64)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import ConfigError, LedgerInvariantError, PageStateError, PoolExhausted
+from .pagesets import all_set
 
 
 class PageState(enum.IntEnum):
@@ -194,14 +195,24 @@ def _state_table_of(states: tuple[int, ...]) -> np.ndarray:
     return table
 
 
+_STATE_TABLES: dict[tuple[PageState, ...], np.ndarray] = {}
+
+
 def _state_table(states: Iterable[PageState]) -> np.ndarray:
-    """Which page states (uint8 values) are among ``states``: a read-only lookup table."""
-    return _state_table_of(tuple(int(s) for s in states))
+    """Which page states (uint8 values) are among ``states``: a read-only lookup table (looked up by
+    the caller's tuple first: the callers pass a few constant tuples, on every frame)."""
+    table = _STATE_TABLES.get(states) if type(states) is tuple else None
+    if table is None:
+        table = _state_table_of(tuple(int(s) for s in states))
+        if type(states) is tuple and len(_STATE_TABLES) < 64:
+            _STATE_TABLES[states] = table
+    return table
 
 
 def _as_pages(pages: Iterable[int] | np.ndarray) -> np.ndarray:
-    array = np.asarray(pages, dtype=np.int64).reshape(-1)
-    return array
+    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1:
+        return pages  # the common case, as the data path passes them
+    return np.asarray(pages, dtype=np.int64).reshape(-1)
 
 
 class PageLedger:
@@ -331,7 +342,7 @@ class PageLedger:
             raise PageStateError("use release() to free pages", generation=generation)
         allowed = tuple(allowed)
         ok = self.owned_by(pages, generation, allowed)
-        if not ok.all():
+        if not all_set(ok):
             self._raise_not_owned(pages[~ok], generation, allowed, f"move to {new_state.name}")
         self.state[pages] = np.uint8(new_state)
 
@@ -345,7 +356,7 @@ class PageLedger:
             self.generation[pages] == np.uint64(generation)
         )
         self.state[pages[mine]] = _WRITTEN
-        return int(mine.sum())
+        return int(np.count_nonzero(mine))
 
     def release(self, pages: np.ndarray, generation: int, *, allowed: Iterable[PageState]) -> None:
         """Return pages owned by ``generation`` to the free list.
@@ -355,7 +366,7 @@ class PageLedger:
         pages = _as_pages(pages)
         allowed = tuple(allowed)
         ok = self.owned_by(pages, generation, allowed)
-        if not ok.all():
+        if not all_set(ok):
             self._raise_not_owned(pages[~ok], generation, allowed, "release")
         self.state[pages] = _FREE
         self._free.push(pages)

@@ -158,11 +158,15 @@ def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_run
     if total == 0:
         return []
     items = batch.unit_lengths(item_lens)
-    if int(items.max()) > max_bytes:
-        raise ValueError(f"an item of {int(items.max())} bytes does not fit a frame of {max_bytes} bytes")
+    largest = int(np.maximum.reduce(items))
+    if largest > max_bytes:
+        raise ValueError(f"an item of {largest} bytes does not fit a frame of {max_bytes} bytes")
     if max_runs < 1:
         raise ValueError("a frame holds at least one run")
     ends = np.cumsum(lengths)  # where each run ends in the batch's byte stream
+    if total <= max_runs and int(ends[-1]) <= max_bytes:  # one frame (a small request): what the loop cuts
+        return [FrameCut(buffers=batch.buffers, src_offsets=batch.src_offsets, dst_offsets=batch.dst_offsets,
+                         lengths=lengths, nbytes=int(ends[-1]), runs_before=0, runs_done=total, units=items)]
     cuts: list[FrameCut] = []
     run, off = 0, 0  # the next byte to cut: ``off`` bytes into run ``run``
     while run < total:

@@ -34,18 +34,20 @@ from functools import cached_property
 import numpy as np
 
 from ..errors import ConfigError
+from .pagesets import total
 
 
 def expand_runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenate ``range(first[i], first[i] + counts[i])`` for every i, vectorised."""
-    total = int(counts.sum())
-    if total == 0:
+    if len(counts) == 1:  # one run (a one-page write, a contiguous one): no reduction needed
+        n = int(counts[0])
+        return np.arange(int(first[0]), int(first[0]) + n, dtype=np.int64) if n > 0 else np.empty(0, dtype=np.int64)
+    size = total(counts)
+    if size == 0:
         return np.empty(0, dtype=np.int64)
-    if len(counts) == 1:
-        return np.arange(int(first[0]), int(first[0]) + total, dtype=np.int64)
     starts = np.repeat(first, counts)
     run_base = np.repeat(np.cumsum(counts) - counts, counts)
-    return starts + (np.arange(total, dtype=np.int64) - run_base)
+    return starts + (np.arange(size, dtype=np.int64) - run_base)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import WriteRefused
 from .layout import KVLayout
 from .ledger import WRITABLE_STATES, PageLedger
+from .pagesets import all_set, any_set, total
 from .slicing import SliceTable, expand_runs
 
 log = logging.getLogger("kvxfer.writeguard")
@@ -163,12 +164,11 @@ class WriteGuard:
 
         ``runs`` is a structured array with ``buffer``, ``offset`` and ``length`` fields."""
         with self.lock:
-            nbytes = int(runs["length"].sum())
             try:
                 return self._check(conn, slot, gen, runs)
             except WriteRefused as refusal:
                 self.refused[refusal.reason] += 1
-                self.refused_bytes += nbytes
+                self.refused_bytes += int(runs["length"].sum())
                 window = self._windows.get(gen)
                 if window is not None:
                     window.refused += 1
@@ -212,10 +212,10 @@ class WriteGuard:
         buffers = runs["buffer"].astype(np.int64)
         offsets = runs["offset"].astype(np.int64)
         lengths = runs["length"].astype(np.int64)
-        if (offsets < 0).any() or (lengths <= 0).any():  # parsers refuse these; never trust one caller
+        if any_set(offsets < 0) or any_set(lengths <= 0):  # parsers refuse these; never trust one caller
             raise WriteRefused("write with a negative offset or a non-positive length", reason="out_of_range",
                                rid=window.rid, generation=gen)
-        if (buffers >= self.layout.num_buffers).any():
+        if any_set(buffers >= self.layout.num_buffers):
             raise WriteRefused(
                 f"write names buffer {int(buffers.max())}; the layout has {self.layout.num_buffers}",
                 reason="bad_buffer",
@@ -225,14 +225,15 @@ class WriteGuard:
         if window.table is not None:
             return window, self._check_slice(window, buffers, offsets, lengths)
         items = self.layout.item_lens[buffers]
-        if ((offsets % items) != 0).any() or ((lengths % items) != 0).any():
+        if any_set((offsets % items) | (lengths % items)):  # both >= 0: nonzero if either is
             raise WriteRefused(
                 "write is not aligned to whole pages", reason="misaligned", rid=window.rid, generation=gen
             )
         first = offsets // items
         counts = lengths // items
-        if ((first + counts) > self.layout.num_pages).any():
-            bad = first[(first + counts) > self.layout.num_pages]
+        beyond = (first + counts) > self.layout.num_pages
+        if any_set(beyond):
+            bad = first[beyond]
             raise WriteRefused(
                 f"write beyond the pool's {self.layout.num_pages} pages",
                 reason="out_of_range",
@@ -242,7 +243,7 @@ class WriteGuard:
             )
         pages = expand_runs(first, counts)
         ok = self.ledger.owned_by(pages, window.owner_gen, WRITABLE_STATES)
-        if not ok.all():
+        if not all_set(ok):
             raise WriteRefused(
                 "write touches pages not reserved for this generation",
                 reason="not_reserved",
@@ -300,7 +301,7 @@ class WriteGuard:
             # is (mark_written moves only this generation's RESERVED pages and ignores repeats)
             full = pages if one_buffer else pages[self.covered[:, pages].all(axis=0)]
             self.ledger.mark_written(full, window.gen)
-            nbytes = int(lengths.sum())
+            nbytes = total(lengths)
             window.bytes_landed += nbytes
             window.writes_landed += len(runs)
             self.landed_bytes += nbytes
@@ -337,7 +338,7 @@ class WriteGuard:
         from .checksum import combine
 
         with self.lock:
-            if not self.summed[:, pages].all():
+            if not all_set(self.summed[:, pages]):
                 return None
             values = self.item_sum[:, pages].reshape(-1)
         lengths = np.repeat(self.layout.item_lens, len(pages))

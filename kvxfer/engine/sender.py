@@ -56,7 +56,7 @@ from ..core.checksum import ChecksumAlgo, checksum_addresses, checksum_pages, co
 from ..core.geometry import KVGeometry, fanout, serves
 from ..core.ledger import PageState
 from ..core.lifecycle import Lifecycle, SenderState
-from ..core.pagesets import has_duplicates, isin
+from ..core.pagesets import all_set, any_set, has_duplicates, isin
 from ..core.pool import PagePool
 from ..core.runs import WriteBatch, build_batch
 from ..core.slicing import LegAtoms, LegShape, canonical_pieces, chunk_runs
@@ -804,7 +804,7 @@ class Sender:
                 req.buffer_sent = np.zeros(self.layout.num_buffers, dtype=np.int64)
                 req.order = np.full(total, -1, dtype=np.int64)
             positions = req.buffer_sent[group]
-            if (positions != positions[0]).any():
+            if any_set(positions != positions[0]):
                 raise InvalidArgument(
                     f"buffers {describe_buffers(group)} are at different positions "
                     f"({', '.join(f'buffer {b}: {int(p)}' for b, p in zip(group[:8], positions[:8]))}): send "
@@ -836,7 +836,7 @@ class Sender:
             if chunk.size:
                 after = req.buffer_sent.copy()
                 after[group] = start + chunk.size
-                final = bool((after == total).all())
+                final = all_set(after == total)
                 for leg in req.writing:
                     batch = self._batch(req, leg, chunk, start, group, final)
                     batch.ready = ready
@@ -951,7 +951,7 @@ class Sender:
         known = req.order[start : start + chunk.size]
         fixed = known >= 0
         differ = fixed & (known != chunk[: known.size])
-        if differ.any():
+        if any_set(differ):
             at = int(np.flatnonzero(differ)[0])
             raise InvalidArgument(
                 f"source page {int(chunk[at])} at position {start + at}, where other buffers sent page "
@@ -961,7 +961,7 @@ class Sender:
             fresh = chunk[: known.size][~fixed]
             elsewhere = req.order >= 0  # positions sent before, other than these
             elsewhere[start : start + known.size] = False
-            again = fresh[isin(fresh, req.order[elsewhere])] if elsewhere.any() else fresh[:0]
+            again = fresh[isin(fresh, req.order[elsewhere])] if any_set(elsewhere) else fresh[:0]
             if again.size:
                 raise InvalidArgument("source pages already sent", rid=req.rid, generation=req.gen, pages=again[:8])
         return chunk

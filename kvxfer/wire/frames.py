@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.pagesets import all_set, any_set, total
 from ..core.runs import RUN_DTYPE
 from ..core.runs import pack_runs as pack_runs  # a WRITE frame's body; the record is the runs' own
 from ..errors import ProtocolError
@@ -103,11 +104,9 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
 def parse_runs(header: FrameHeader, body: bytes | bytearray | memoryview) -> np.ndarray:
     """The WRITE frame's run table; checks it adds up to the payload."""
     runs = check_runs(np.frombuffer(body, dtype=RUN_DTYPE, count=header.count), "WRITE")
-    lengths = runs["length"]
-    if int(lengths.sum(dtype=np.uint64)) != header.payload_len:
-        raise ProtocolError(
-            f"WRITE runs add up to {int(lengths.sum(dtype=np.uint64))} bytes, header says {header.payload_len}"
-        )
+    added = total(runs["length"])
+    if added != header.payload_len:
+        raise ProtocolError(f"WRITE runs add up to {added} bytes, header says {header.payload_len}")
     return runs
 
 
@@ -115,14 +114,14 @@ def check_runs(runs: np.ndarray, what: str) -> np.ndarray:
     """Field limits of a run table (tcp WRITE frames, verbs write logs): no flags, no empty run,
     no run longer than a frame's payload limit, no offset past :data:`MAX_OFFSET`. With these, sums
     and page arithmetic on the runs cannot overflow."""
-    if runs["flags"].any():
+    if any_set(runs["flags"]):
         raise ProtocolError(f"{what} run with unknown flags")
     lengths = runs["length"]
-    if (lengths == 0).any():
+    if not all_set(lengths):
         raise ProtocolError(f"{what} run of zero bytes")
-    if (lengths > MAX_PAYLOAD).any():
+    if any_set(lengths > MAX_PAYLOAD):
         raise ProtocolError(f"{what} run of {int(lengths.max())} bytes (at most {MAX_PAYLOAD})")
-    if (runs["offset"] >= MAX_OFFSET).any():
+    if any_set(runs["offset"] >= MAX_OFFSET):
         raise ProtocolError(f"{what} run at offset {int(runs['offset'].max())} (offsets stay below 2^48)")
     return runs
 

@@ -211,6 +211,9 @@ def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
         k = r["kvxfer-tcp"]
         assert k["requests"] == 20 and 0 < k["send_p50_s"] <= k["send_p99_s"] and 0 < k["p50_s"] <= k["p99_s"]
         assert k["from"] == "admit-to-READABLE"
+        # the consumer's wait() returns after READABLE was stamped, never before
+        assert k["send_p50_s"] <= k["noticed_p50_s"] <= k["noticed_p99_s"]
+    assert "kvxfer send->wait()" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "page counts above 0" in bad.stderr
@@ -232,5 +235,6 @@ def test_bench_small_requests_reports_when_nixl_target_is_notified(tmp_path):
     assert "error" not in nixl, nixl
     assert nixl["requests"] == 40 and nixl["from"] == "initialize_xfer-to-DONE"
     assert nixl["notified_requests"] == 40 and 0 < nixl["notified_p50_s"] <= nixl["notified_p99_s"]
-    assert row["over_nixl-ucx-tcp_notified_p50"] == round(row["kvxfer-tcp"]["send_p50_s"] / nixl["notified_p50_s"], 3)
+    # both consumers informed: kvxfer's wait() returning against NIXL's target notified
+    assert row["over_nixl-ucx-tcp_notified_p50"] == round(row["kvxfer-tcp"]["noticed_p50_s"] / nixl["notified_p50_s"], 3)
     assert "NIXL notified" in proc.stdout

@@ -11,7 +11,9 @@ every check (coverage, byte counts, checksum) has run by then. Each request's la
 on the decode side from its admission to the moment it became READABLE (verified), not to when
 the loop noticed it; the decode half also returns each moment itself (``readable_at``, its
 ``time.monotonic()``, the clock every process of the host shares), so a driver can time a request
-from a moment of its own (``kvxfer bench --first-request``: from before the peering).
+from a moment of its own (``kvxfer bench --first-request``: from before the peering), and the moment
+its ``wait()`` returned (``noticed_at``: when the consumer learns it, which is what a user's engine
+acts on, a little after READABLE was stamped).
 """
 
 from __future__ import annotations
@@ -42,16 +44,19 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
     start = None
     latencies: list[float] = []
     readable_at: list[float] = []
+    noticed_at: list[float] = []
 
     def finish_one() -> None:
         nonlocal failed, nbytes
         rid = pending.popleft()
         req = engine.wait(rid, timeout=600)
+        noticed = time.monotonic()
         if req.state is ReceiverState.READABLE:
             nbytes += engine.layout.bytes_for_pages(len(req.pages))
             if req.readable_at is not None:
                 latencies.append(req.readable_at - req.created)
                 readable_at.append(req.readable_at)
+                noticed_at.append(noticed)
             engine.release(rid)
         else:
             failed += 1
@@ -67,7 +72,7 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
         finish_one()
     seconds = time.perf_counter() - (start or time.perf_counter())
     return {"seconds": seconds, "bytes": nbytes, "failed": failed, "requests": len(requests),
-            "latencies": latencies, "readable_at": readable_at}
+            "latencies": latencies, "readable_at": readable_at, "noticed_at": noticed_at}
 
 
 def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:

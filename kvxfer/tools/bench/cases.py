@@ -181,6 +181,7 @@ class KvxferSession(Session):
         self.post_rates: list[float] = []
         self.latencies: list[float] = []  # admit-to-READABLE seconds of every request of the counted rounds
         self.data_latencies: list[float] = []  # send()-to-READABLE seconds (one request in flight at a time)
+        self.noticed_latencies: list[float] = []  # send() to the decode's wait() returning it READABLE
 
     def start(self) -> None:
         self.decode = spawn(self.decode_spec, stderr=self.node_log)
@@ -202,14 +203,19 @@ class KvxferSession(Session):
         if sent.get("post_rate"):
             self.post_rates.append(sent["post_rate"])
         readable, posted = received.get("readable_at") or [], sent.get("posted_at") or []
+        noticed = received.get("noticed_at") or []
         if self.round > 1:  # the first round is the bench's uncounted warm-up
             self.latencies.extend(received.get("latencies", ()))
             if self.config.concurrency == 1 and len(readable) == len(posted):  # request i is request i on both
                 self.data_latencies.extend(r - p for r, p in zip(readable, posted))
+                if len(noticed) == len(posted):
+                    self.noticed_latencies.extend(n - p for n, p in zip(noticed, posted))
         # per-request latency, admission to READABLE (verified) on the decode side
         record_latency(self.result, self.latencies, self.per_request, "admit-to-READABLE")
         if self.data_latencies:  # and from the prefill's send() to READABLE: the data path's share
             self.result.extra.update(p50_p99("send_latency", self.data_latencies))
+        if self.noticed_latencies:  # and to the decode's wait() returning: when its consumer learns it
+            self.result.extra.update(p50_p99("noticed_latency", self.noticed_latencies))
         return float(received["seconds"])
 
     def close(self, *, measure: bool = True) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .layout import KVLayout
+from .pagesets import total
 
 # One run as WRITE frames and DONE's write log carry it (``protocol/SPEC.md`` §3): buffer, flags (0),
 # destination offset, length, little-endian. It is the runs' own record, so it lives with them;
@@ -89,7 +90,7 @@ class WriteBatch:
 
     @property
     def nbytes(self) -> int:
-        return int(self.lengths.sum())
+        return total(np.asarray(self.lengths))
 
 
 def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

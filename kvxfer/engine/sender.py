@@ -32,6 +32,7 @@ prefill rank) completes when it binds. With one destination this is the request 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -833,37 +834,47 @@ class Sender:
                 raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send"
                                       f"{'' if group.size == self.layout.num_buffers else ' in these buffers'}",
                                       rid=rid, generation=req.gen)
-            if chunk.size:
-                after = req.buffer_sent.copy()
-                after[group] = start + chunk.size
-                final = all_set(after == total)
-                for leg in req.writing:
-                    batch = self._batch(req, leg, chunk, start, group, final)
-                    batch.ready = ready
-                    self._sum_later(batch)
-                    leg.posted += len(batch)
-                    leg.bytes_posted += batch.nbytes
-                    leg.batches.append(batch)
-                    self.stats["writes_posted"] += len(batch)
-                    self.stats["bytes_posted"] += batch.nbytes
-                    if req.state is S.READY:
-                        req.fsm.to(S.TRANSFERRING, "first chunk posted")
-                    try:
-                        leg.link.post_writes(batch, self._on_complete)
-                    except TransportError as exc:
-                        leg.completed += len(batch)
-                        leg.failed_writes += len(batch)
-                        self._fail(req, TransferFailed(f"could not post writes to {leg.peer}: {exc}", reason="transport",
-                                                       rid=rid, generation=req.gen), culprit=leg)
-                        return req
-                req.order[start : start + chunk.size] = chunk
-                req.buffer_sent = after
-                if group.size != self.layout.num_buffers:
-                    self.stats["layer_sends"] += 1
-                req.sent = int(after.min())
-            if finish and req.sent == total and req.state in (S.TRANSFERRING, S.READY):
-                self._post_done(req, aux)
-            return req
+            with contextlib.ExitStack() as held:
+                for leg in req.writing:  # the chunk's writes and DONE behind them start together
+                    held.enter_context(leg.link.held())
+                return self._post_chunk(req, chunk, start, group, ready=ready, aux=aux, finish=finish)
+
+    def _post_chunk(self, req: SendRequest, chunk: np.ndarray, start: int, group: np.ndarray, *, ready: Any,
+                    aux: bytes, finish: bool) -> SendRequest:
+        """Under the lock, the chunk checked: post its writes to every leg, then DONE if it completes
+        the request (and ``finish``)."""
+        rid, total = req.rid, req.total_pages
+        if chunk.size:
+            after = req.buffer_sent.copy()
+            after[group] = start + chunk.size
+            final = all_set(after == total)
+            for leg in req.writing:
+                batch = self._batch(req, leg, chunk, start, group, final)
+                batch.ready = ready
+                self._sum_later(batch)
+                leg.posted += len(batch)
+                leg.bytes_posted += batch.nbytes
+                leg.batches.append(batch)
+                self.stats["writes_posted"] += len(batch)
+                self.stats["bytes_posted"] += batch.nbytes
+                if req.state is S.READY:
+                    req.fsm.to(S.TRANSFERRING, "first chunk posted")
+                try:
+                    leg.link.post_writes(batch, self._on_complete)
+                except TransportError as exc:
+                    leg.completed += len(batch)
+                    leg.failed_writes += len(batch)
+                    self._fail(req, TransferFailed(f"could not post writes to {leg.peer}: {exc}", reason="transport",
+                                                   rid=rid, generation=req.gen), culprit=leg)
+                    return req
+            req.order[start : start + chunk.size] = chunk
+            req.buffer_sent = after
+            if group.size != self.layout.num_buffers:
+                self.stats["layer_sends"] += 1
+            req.sent = int(after.min())
+        if finish and req.sent == total and req.state in (S.TRANSFERRING, S.READY):
+            self._post_done(req, aux)
+        return req
 
     def _sending(self, rid: Any, verb: str) -> SendRequest:
         """The request, if it may still send (READY or TRANSFERRING); else TransferFailed naming its state."""

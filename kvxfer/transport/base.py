@@ -45,6 +45,7 @@ Invariants every backend keeps (the lifecycle and hostile-peer suites run agains
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -197,6 +198,12 @@ class SenderLink(abc.ABC):
     def post_raw(self, pieces: list[Any]) -> None:
         """Send prepared frame bytes as they are (``Capabilities.raw_frames`` only)."""
         raise NotImplementedError(f"{type(self).__name__} does not send raw frames")
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """Jobs posted inside ``with link.held():`` start sending together when it exits (a request's
+        last writes and its DONE behind them, which a transport may then send as one); by default
+        nothing is held."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def close(self, *, flush: bool = True) -> None:

@@ -82,6 +82,10 @@ SLICE_FRAME_MAX_RUNS = f.MAX_RUNS
 SUM_CHUNK = 256 << 10  # land this much, then checksum it while it is still in cache (L2)
 SEND_SUM_CHUNK = 2 << 20  # send this much (as native send_runs does), then checksum it from the cache the kernel filled
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
+# a write batch at most this large, with an ordered message (its DONE) queued right behind it, leaves
+# with that message in one sendmsg: its item checksums are taken before sending instead of during it
+WITH_ORDERED_MAX_BYTES = 256 << 10
+WITH_ORDERED_MAX_RUNS = 256
 ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 _SCRATCH = 64 << 10  # a refused write's payload is read through this, made on a connection's first refusal
 CONNECT_BODY_MAX = f.CONNECT_BODY_MAX
@@ -698,6 +702,7 @@ class TcpLink(FrameLink):
         self._init_lane(lanes)
         self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
         self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
+        self.sent_with_ordered = 0  # write batches that left in one sendmsg with the ordered message behind them
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -767,6 +772,7 @@ class TcpLink(FrameLink):
         with self._cond:
             job = self._queue.popleft() if self._queue else None
             finish = job is None and self._closing
+            behind = self._queue.popleft() if self._queue and self._leaves_with_next(job) else None
             more = bool(self._queue)
         if finish:
             self._end("closed")
@@ -780,18 +786,68 @@ class TcpLink(FrameLink):
         if cork and not self._corked:
             self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
             self._corked = True
-        if isinstance(job, WriteJob):
+        if behind is not None:
+            self._send_batch_with_ordered(job, behind)
+            self.frames_sent += 1
+        elif isinstance(job, WriteJob):
             self._send_batch(job)
         elif isinstance(job, OrderedJob):
-            msg = job.msg() if callable(job.msg) else job.msg
-            frame = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
-            send_all(self._sock, [frame])
+            send_all(self._sock, [self._ordered_frame(job)])
         else:
             send_all(self._sock, job.frame)
         if self._corked and not cork:  # nothing was queued behind this job: everything held leaves now
             self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
             self._corked = False
         self.frames_sent += 1
+
+    @staticmethod
+    def _ordered_frame(job: OrderedJob) -> bytes:
+        """The ORDERED frame of ``job``, its message built now (DONE: behind every write before it)."""
+        msg = job.msg() if callable(job.msg) else job.msg
+        return f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
+
+    def _leaves_with_next(self, job: Any) -> bool:
+        """Under ``_cond``, the queue not empty: whether ``job`` and the ordered job queued behind it
+        leave in one sendmsg (a small request's writes and its DONE): a small batch on the native
+        path without fault injection or staging."""
+        if not isinstance(job, WriteJob) or not isinstance(self._queue[0], OrderedJob):
+            return False
+        batch = job.batch
+        return (self.faults is None and native.lib is not None and self._staging is None and not batch.cancelled
+                and batch.units is None and len(batch) <= WITH_ORDERED_MAX_RUNS
+                and batch.nbytes <= min(WITH_ORDERED_MAX_BYTES, self.frame_limit))
+
+    def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob) -> None:
+        """One WRITE frame (the whole batch) and the ordered message behind it, in one sendmsg. The
+        batch's item checksums are taken first (the message, a DONE, combines them), then the
+        message is built exactly as its own step would build it; the batch is reported sent after
+        the call, or failed (and the connection ends) if it raises."""
+        batch = job.batch
+        batch.wait_sources()
+        if batch.cancelled:  # dropped unsent meanwhile (a close without flush): the message goes alone
+            job.on_complete(batch, 0, len(batch))
+            send_all(self._sock, [self._ordered_frame(ordered)])
+            return
+        (cut,) = self._frames(batch)  # small enough for one frame (_leaves_with_next)
+        lengths = cut.lengths.astype(np.uint64)
+        addresses = self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)
+        if self._sum_fn is not None and batch.sums_ready is None:
+            raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, addresses.tobytes(), lengths.tobytes(),
+                                            cut.units.astype(np.uint64).tobytes())
+            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
+        trailer = np.frombuffer(self._ordered_frame(ordered), dtype=np.uint8)
+        header = f.write_header(batch.slot, batch.gen, len(cut.lengths), cut.nbytes)
+        runs = f.pack_runs(cut.buffers, cut.dst_offsets, cut.lengths)
+        addresses = np.append(addresses, np.uint64(trailer.__array_interface__["data"][0]))
+        lengths = np.append(lengths, np.uint64(trailer.size))
+        try:
+            native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
+        except BaseException:
+            job.on_complete(batch, 0, len(batch))
+            raise
+        self.bytes_sent += cut.nbytes
+        self.sent_with_ordered += 1
+        job.on_complete(batch, len(batch), 0)
 
     def _send_batch(self, job: WriteJob) -> None:
         job.batch.wait_sources()

@@ -28,10 +28,6 @@ Invariants (checked by :meth:`Receiver.check_accounting`):
   that comes later fails in the NIC where the transport enforces grants.
 
 All methods must be called with :attr:`lock` held or take it themselves; none blocks on I/O.
-
-A verification's RESULT is queued under the lock and sent once the lock is released (the outbox,
-drained in queue order by one thread at a time): a consumer woken by READABLE does not wait for the
-control socket, and the verifying thread does not hold the engine lock across a send.
 """
 
 from __future__ import annotations
@@ -242,8 +238,6 @@ class Receiver:
         self.lock = lock or threading.RLock()
         self.guard = WriteGuard(self.layout, self.ledger, self.lock)
         self._send = send or (lambda peer, msg: None)
-        self._outbox: deque[tuple[str, m.Message]] = deque()  # appended under lock, sent by _flush_outbox
-        self._outbox_lock = threading.Lock()
         self._request_fence = request_fence or (lambda conn, reason: None)
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
@@ -517,26 +511,6 @@ class Receiver:
                 self._on_writer_gave_up(req, leg, msg.reason, msg.detail, rejected=False)
             else:
                 self._complain(conn, msg, UnknownRequest(f"{msg.TYPE} is not an ordered message"))
-        self._flush_outbox()
-
-    def _send_after_unlock(self, peer: str, msg: m.Message) -> None:
-        """Under the lock: queue ``msg`` for :meth:`_flush_outbox` (its caller's caller, unlocked)."""
-        self._outbox.append((peer, msg))
-
-    def _flush_outbox(self) -> None:
-        """Send what the outbox holds, in queue order, from one thread at a time. A thread that finds
-        another draining leaves its messages to it: the drainer looks again after letting go of the
-        lock, so nothing is left behind. Called without :attr:`lock` held, or with it (then the
-        sends simply happen under it); never waits for the outbox lock, so it cannot deadlock."""
-        while self._outbox:
-            if not self._outbox_lock.acquire(blocking=False):
-                return
-            try:
-                while self._outbox:
-                    peer, msg = self._outbox.popleft()
-                    self._send(peer, msg)
-            finally:
-                self._outbox_lock.release()
 
     def _complain(self, conn: Any, msg: m.Message, error: KvxferError) -> None:
         self.stats[f"refused_{error.code}"] += 1
@@ -579,7 +553,7 @@ class Receiver:
         if self.layout.device == "cpu" and self.layout.bytes_for_pages(len(req.pages)) <= INLINE_VERIFY_BYTES:
             self._verify(req)
         else:
-            self._defer(lambda: (self._verify(req), self._flush_outbox()))
+            self._defer(lambda: self._verify(req))
 
     def _verify(self, req: ReceiveRequest) -> None:
         actuals: list[int | None] = []
@@ -633,8 +607,7 @@ class Receiver:
             req.fsm.to(R.FAILED, exc.check)
             self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
             for leg in writing:
-                self._send_after_unlock(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=exc.check,
-                                                           detail=str(exc)))
+                self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=exc.check, detail=str(exc)))
             return
         if self.unsafe_legacy:
             # Legacy behaviour: readable whatever landed (the incident's decode side).
@@ -646,7 +619,7 @@ class Receiver:
         req.readable_at = time.monotonic()
         self.stats["completed"] += 1
         for leg in writing:
-            self._send_after_unlock(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=True, reason="", detail=""))
+            self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=True, reason="", detail=""))
         if req.abort_after_verify is not None:
             reason = req.abort_after_verify
             req.error = TransferAborted(reason, reason="aborted", rid=req.rid, generation=req.gen)

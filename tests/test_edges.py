@@ -478,13 +478,15 @@ def test_corked_tcp_sends_deliver_every_request_and_leave_the_socket_uncorked(en
 
 def test_small_batches_leave_with_their_done_in_one_send_and_verify(engines):
     """Without fault injection, a small batch with DONE queued right behind it leaves with it in one
-    sendmsg, its item checksums taken before sending: whole sends, chunked sends (only the last chunk
-    has DONE behind it), layer by layer and with aux, over several buffers, must each verify and
-    read back the bytes sent; a batch too large for that path goes as before."""
+    sendmsg, its item checksums taken before sending (and, for a send of the whole request, its
+    frame prepared when META arrived): whole sends, chunked sends (only the last chunk has DONE
+    behind it), layer by layer and with aux, over several buffers, must each verify and read back
+    the bytes sent; a batch too large for that path goes as before."""
     pair = engines(fault_injection=False, prefill_pages=96, decode_pages=192)
     link = pair.link
     layout = pair.prefill.layout
-    plans = {"whole": [None], "chunks": [2, None], "layers": "layers", "aux": [None], "large": [None]}
+    plans = {"whole": [None], "chunks": [2, None], "layers": "layers", "aux": [None], "large": [None],
+             "reordered": "reordered"}
     for n, (rid, plan) in enumerate(plans.items()):
         pages = 90 if rid == "large" else 5  # 90 pages x 3 buffers x 1 KiB: beyond WITH_ORDERED_MAX_BYTES
         pair.prefill.admit(rid, pages * PAGE_TOKENS, peer=pair.decode.engine_id)
@@ -492,17 +494,23 @@ def test_small_batches_leave_with_their_done_in_one_send_and_verify(engines):
         pair.prefill.wait_ready(rid)
         src = pair.prefill.source_pages(rid)
         fill_random(layout, src, 700 + n)
+        if plan == "reordered":  # its own pages in another order: not what was prepared
+            src = src[::-1].copy()
         sent = [view[src].copy() for view in layout.views()]
-        before = link.sent_with_ordered
+        before, prepared_before = link.sent_with_ordered, link.sent_prepared
         if plan == "layers":
             for b in reversed(range(layout.num_buffers)):
                 pair.prefill.send(rid, buffers=[b])
+        elif plan == "reordered":
+            pair.prefill.send(rid, src)
         else:
             for count in plan:
                 pair.prefill.send(rid, count=count, aux=b"tail" if rid == "aux" else b"")
         req = pair.decode.wait(rid)
         assert req.state is R.READABLE, (rid, req.error)
         assert link.sent_with_ordered == before + (0 if rid == "large" else 1), rid
+        # a send of the whole request takes the batch and frame prepared when META arrived
+        assert link.sent_prepared == prepared_before + (1 if rid in ("whole", "aux") else 0), rid
         if rid == "aux":
             assert req.aux == b"tail"
         with pair.decode.read(rid) as kv:

@@ -65,6 +65,9 @@ class WriteBatch:
     # the receiver's bytes per page of each buffer, when they differ from the writer's (head slices,
     # other page sizes): destination offsets are in the receiver's pages. None: the writer's own.
     dst_item_lens: np.ndarray | None = None
+    # what the transport prepared for sending the batch before it was posted (tcp: its one frame's
+    # prefix and iovec arrays), made when the destination arrived (SenderLink.prepare); None: nothing
+    wire: Any = None
 
     def unit_lengths(self, item_lens: np.ndarray) -> np.ndarray:
         """Each run's checksum unit: a piece of a head slice, else a page of its buffer."""

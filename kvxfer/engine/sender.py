@@ -32,7 +32,6 @@ prefill rank) completes when it binds. With one destination this is the request 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -189,6 +188,7 @@ class SendLeg:
     done_built: bool = False  # ... and the transport has built it (it reads no source page any more)
     succeeded: bool = False  # RESULT ok (a null leg: at once)
     owes: type | None = None  # a drain proof to post once quiescent (DRAIN_ACK or writer ABORT)
+    prepared: WriteBatch | None = None  # the whole request's writes, built when the destination arrived
     proof_posted: bool = False
 
     @property
@@ -663,6 +663,8 @@ class Sender:
             self.changed.notify_all()
             return
         req.deadline = float("inf")
+        for ready_leg in req.writing:
+            self._prepare(req, ready_leg)
         req.fsm.to(S.READY, "destination received" if req.fanout == 1 else f"all {req.fanout} destinations received")
         if not req.writing:  # every decode rank takes its heads from another prefill rank
             req.fsm.to(S.TRANSFERRING, "nothing to write: other writers hold the heads the decodes take")
@@ -671,6 +673,19 @@ class Sender:
             self.stats["succeeded"] += 1
             self._finish(req)
         self.changed.notify_all()
+
+    def _prepare(self, req: SendRequest, leg: SendLeg) -> None:
+        """The writes of a send of the whole request at once (the usual one, and every small request's)
+        to a page-for-page leg, built now, while the prefill computes, and handed to the transport to
+        prepare: :meth:`send` takes them when it sends exactly that."""
+        if req.external or leg.atoms is not None or req.pages is None or len(req.pages) != len(leg.dst_pages):
+            return
+        batch = build_batch(self.layout, req.pages, leg.dst_pages, slot=leg.slot, gen=leg.gen)
+        try:
+            leg.link.prepare(batch)
+        except TransportError:
+            return  # the send builds its own and meets the link's state there
+        leg.prepared = batch
 
     def _reject_meta(self, peer: str, msg: m.Meta, reason: str, text: str) -> None:
         link = self._link_for(peer)
@@ -834,10 +849,14 @@ class Sender:
                 raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send"
                                       f"{'' if group.size == self.layout.num_buffers else ' in these buffers'}",
                                       rid=rid, generation=req.gen)
-            with contextlib.ExitStack() as held:
-                for leg in req.writing:  # the chunk's writes and DONE behind them start together
-                    held.enter_context(leg.link.held())
+            links = [leg.link for leg in req.writing]
+            for link in links:  # the chunk's writes and the DONE behind them start together
+                link.hold()
+            try:
                 return self._post_chunk(req, chunk, start, group, ready=ready, aux=aux, finish=finish)
+            finally:
+                for link in links:
+                    link.unhold()
 
     def _post_chunk(self, req: SendRequest, chunk: np.ndarray, start: int, group: np.ndarray, *, ready: Any,
                     aux: bytes, finish: bool) -> SendRequest:
@@ -927,7 +946,11 @@ class Sender:
         """The chunk's writes to one leg for the buffers of ``group``: page for page, or the head
         slice's runs. ``start``: the chunk's first position."""
         every = group.size == self.layout.num_buffers
-        if leg.atoms is None:
+        prepared, leg.prepared = leg.prepared, None  # made for one send: the first one
+        if (prepared is not None and every and start == 0 and chunk.size == req.pages.size
+                and np.array_equal(chunk, req.pages)):  # the whole request, in its own page order
+            batch = prepared
+        elif leg.atoms is None:
             dst = leg.dst_pages[start : start + chunk.size]
             batch = build_batch(self.layout, chunk, dst, slot=leg.slot, gen=leg.gen,
                                 buffers=None if every else group)

@@ -45,7 +45,6 @@ Invariants every backend keeps (the lifecycle and hostile-peer suites run agains
 from __future__ import annotations
 
 import abc
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -199,11 +198,21 @@ class SenderLink(abc.ABC):
         """Send prepared frame bytes as they are (``Capabilities.raw_frames`` only)."""
         raise NotImplementedError(f"{type(self).__name__} does not send raw frames")
 
-    def held(self) -> contextlib.AbstractContextManager[None]:
-        """Jobs posted inside ``with link.held():`` start sending together when it exits (a request's
-        last writes and its DONE behind them, which a transport may then send as one); by default
-        nothing is held."""
-        return contextlib.nullcontext()
+    def prepare(self, batch: WriteBatch) -> None:
+        """Called when a request's destination arrived, before its send: do for ``batch`` what can be
+        done ahead (a small request's frame and descriptors), off the send's path. Optional; the
+        batch is sent the same either way."""
+        return None
+
+    def hold(self) -> None:
+        """Jobs posted from now until :meth:`unhold` start sending together then (a request's last
+        writes and its DONE behind them, which a transport may send as one). Every ``hold`` is
+        paired with an ``unhold`` (``try``/``finally``); by default nothing is held."""
+        return None
+
+    def unhold(self) -> None:
+        """End a :meth:`hold`: what was posted meanwhile is scheduled now."""
+        return None
 
     @abc.abstractmethod
     def close(self, *, flush: bool = True) -> None:

@@ -16,10 +16,9 @@ shared ring) and how they are served (``_kick``); this class owns the rules both
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +73,7 @@ class FrameLink(SenderLink, LaneLink):
         self.faults = faults
         self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
-        self._holding = 0  # nesting of held(): posted jobs wait for its end before a step is scheduled
+        self._holding = 0  # hold() nesting: posted jobs wait for the last unhold() before a step is scheduled
         self._alive = True
         self._closing = False
         self._reported = False
@@ -105,19 +104,17 @@ class FrameLink(SenderLink, LaneLink):
             if not self._holding:
                 self._kick()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Jobs posted inside are scheduled together at the end (a step already under way, or
-        scheduled, may still take the first of them: holding never delays a busy link)."""
+    def hold(self) -> None:
+        """Jobs posted until :meth:`unhold` are scheduled together then (a step already under way,
+        or scheduled, may still take the first of them: holding never delays a busy link)."""
         with self._cond:
             self._holding += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holding -= 1
-                if not self._holding and self._queue:
-                    self._kick()
+
+    def unhold(self) -> None:
+        with self._cond:
+            self._holding -= 1
+            if not self._holding and self._queue:
+                self._kick()
 
     def _begin_close(self, flush: bool) -> None:
         """Stop taking jobs; without ``flush`` the queued write batches are dropped unsent."""

@@ -670,6 +670,19 @@ class TcpReceiver(ReceiverBackend):
                 self._on_closed(conn_id, "receiver closed")
 
 
+@dataclass
+class _Wire:
+    """A small batch ready for one sendmsg: its WRITE frame's header and run table (``prefix``), the
+    iovec arrays with one spare last entry for the ordered frame sent behind it, and the payload's
+    (addresses, lengths, item lengths) as bytes for the checksum call."""
+
+    nbytes: int
+    prefix: bytes
+    addresses: np.ndarray
+    lengths: np.ndarray
+    payload: tuple[bytes, bytes, bytes]
+
+
 def _close_quietly(sock: socket.socket) -> None:
     try:
         sock.close()
@@ -703,6 +716,7 @@ class TcpLink(FrameLink):
         self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
         self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
         self.sent_with_ordered = 0  # write batches that left in one sendmsg with the ordered message behind them
+        self.sent_prepared = 0  # ... of which prepared when the destination arrived (prepare)
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -808,14 +822,40 @@ class TcpLink(FrameLink):
 
     def _leaves_with_next(self, job: Any) -> bool:
         """Under ``_cond``, the queue not empty: whether ``job`` and the ordered job queued behind it
-        leave in one sendmsg (a small request's writes and its DONE): a small batch on the native
-        path without fault injection or staging."""
+        leave in one sendmsg (a small request's writes and its DONE)."""
         if not isinstance(job, WriteJob) or not isinstance(self._queue[0], OrderedJob):
             return False
-        batch = job.batch
-        return (self.faults is None and native.lib is not None and self._staging is None and not batch.cancelled
-                and batch.units is None and len(batch) <= WITH_ORDERED_MAX_RUNS
-                and batch.nbytes <= min(WITH_ORDERED_MAX_BYTES, self.frame_limit))
+        return not job.batch.cancelled and self._sends_whole(job.batch)
+
+    def _sends_whole(self, batch: WriteBatch) -> bool:
+        """A small batch on the production path (native, no fault injection, no staging): one frame,
+        few runs, whole pages."""
+        return (self.faults is None and native.lib is not None and self._staging is None and batch.units is None
+                and len(batch) <= WITH_ORDERED_MAX_RUNS and batch.nbytes <= min(WITH_ORDERED_MAX_BYTES, self.frame_limit))
+
+    def prepare(self, batch: WriteBatch) -> None:
+        """A small batch's frame and descriptors, made before its send (the request's destination just
+        arrived): the send then only adds the ordered message's frame."""
+        if self._sends_whole(batch):
+            batch.wire = self._wire(batch)
+
+    def _wire(self, batch: WriteBatch) -> _Wire:
+        (cut,) = self._frames(batch)  # one frame (_sends_whole)
+        n = len(cut.lengths)
+        addresses = np.empty(n + 1, dtype=np.uint64)  # the last entry: the ordered frame behind, per send
+        lengths = np.empty(n + 1, dtype=np.uint64)
+        addresses[:n] = self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)
+        lengths[:n] = cut.lengths
+        prefix = f.write_header(batch.slot, batch.gen, n, cut.nbytes) + f.pack_runs(cut.buffers, cut.dst_offsets,
+                                                                                  cut.lengths)
+        return _Wire(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
+                     payload=(addresses[:n].tobytes(), lengths[:n].tobytes(), cut.units.astype(np.uint64).tobytes()))
+
+    @staticmethod
+    def _ordered_frame(job: OrderedJob) -> bytes:
+        """The ORDERED frame of ``job``, its message built now (DONE: behind every write before it)."""
+        msg = job.msg() if callable(job.msg) else job.msg
+        return f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
 
     def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob) -> None:
         """One WRITE frame (the whole batch) and the ordered message behind it, in one sendmsg. The
@@ -828,24 +868,23 @@ class TcpLink(FrameLink):
             job.on_complete(batch, 0, len(batch))
             send_all(self._sock, [self._ordered_frame(ordered)])
             return
-        (cut,) = self._frames(batch)  # small enough for one frame (_leaves_with_next)
-        lengths = cut.lengths.astype(np.uint64)
-        addresses = self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)
+        wire = batch.wire
+        if wire is None:
+            wire = self._wire(batch)
+        else:
+            self.sent_prepared += 1
         if self._sum_fn is not None and batch.sums_ready is None:
-            raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, addresses.tobytes(), lengths.tobytes(),
-                                            cut.units.astype(np.uint64).tobytes())
+            raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
             self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
         trailer = np.frombuffer(self._ordered_frame(ordered), dtype=np.uint8)
-        header = f.write_header(batch.slot, batch.gen, len(cut.lengths), cut.nbytes)
-        runs = f.pack_runs(cut.buffers, cut.dst_offsets, cut.lengths)
-        addresses = np.append(addresses, np.uint64(trailer.__array_interface__["data"][0]))
-        lengths = np.append(lengths, np.uint64(trailer.size))
+        wire.addresses[-1] = trailer.__array_interface__["data"][0]
+        wire.lengths[-1] = trailer.size
         try:
-            native.lib.send_runs(self._sock.fileno(), header + runs, addresses.tobytes(), lengths.tobytes())
+            native.lib.send_runs(self._sock.fileno(), wire.prefix, wire.addresses.tobytes(), wire.lengths.tobytes())
         except BaseException:
             job.on_complete(batch, 0, len(batch))
             raise
-        self.bytes_sent += cut.nbytes
+        self.bytes_sent += wire.nbytes
         self.sent_with_ordered += 1
         job.on_complete(batch, len(batch), 0)
 

@@ -853,29 +853,32 @@ class Sender:
             for link in links:  # the chunk's writes and the DONE behind them start together
                 link.hold()
             try:
-                return self._post_chunk(req, chunk, start, group, ready=ready, aux=aux, finish=finish)
+                return self._post_chunk(req, chunk, start, group, ready=ready, aux=aux, finish=finish,
+                                        whole=src_pages is None and start == 0 and chunk.size == len(req.pages))
             finally:
                 for link in links:
                     link.unhold()
 
     def _post_chunk(self, req: SendRequest, chunk: np.ndarray, start: int, group: np.ndarray, *, ready: Any,
-                    aux: bytes, finish: bool) -> SendRequest:
+                    aux: bytes, finish: bool, whole: bool) -> SendRequest:
         """Under the lock, the chunk checked: post its writes to every leg, then DONE if it completes
-        the request (and ``finish``)."""
+        the request (and ``finish``). ``whole``: the chunk is the request's pages, all of them, in their
+        own order (a send without source pages of everything at once)."""
         rid, total = req.rid, req.total_pages
         if chunk.size:
             after = req.buffer_sent.copy()
             after[group] = start + chunk.size
             final = all_set(after == total)
             for leg in req.writing:
-                batch = self._batch(req, leg, chunk, start, group, final)
+                batch = self._batch(req, leg, chunk, start, group, final, whole=whole)
                 batch.ready = ready
                 self._sum_later(batch)
+                nbytes = batch.nbytes
                 leg.posted += len(batch)
-                leg.bytes_posted += batch.nbytes
+                leg.bytes_posted += nbytes
                 leg.batches.append(batch)
                 self.stats["writes_posted"] += len(batch)
-                self.stats["bytes_posted"] += batch.nbytes
+                self.stats["bytes_posted"] += nbytes
                 if req.state is S.READY:
                     req.fsm.to(S.TRANSFERRING, "first chunk posted")
                 try:
@@ -942,13 +945,12 @@ class Sender:
         return np.sort(group)
 
     def _batch(self, req: SendRequest, leg: SendLeg, chunk: np.ndarray, start: int, group: np.ndarray,
-               final: bool) -> WriteBatch:
+               final: bool, *, whole: bool = False) -> WriteBatch:
         """The chunk's writes to one leg for the buffers of ``group``: page for page, or the head
-        slice's runs. ``start``: the chunk's first position."""
+        slice's runs. ``start``: the chunk's first position; ``whole``: as :meth:`_post_chunk`'s."""
         every = group.size == self.layout.num_buffers
         prepared, leg.prepared = leg.prepared, None  # made for one send: the first one
-        if (prepared is not None and every and start == 0 and chunk.size == req.pages.size
-                and np.array_equal(chunk, req.pages)):  # the whole request, in its own page order
+        if prepared is not None and every and whole:  # what _prepare built: the whole request
             batch = prepared
         elif leg.atoms is None:
             dst = leg.dst_pages[start : start + chunk.size]

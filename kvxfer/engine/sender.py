@@ -152,7 +152,9 @@ class DoneBuilder:
 
 
 class SenderLink(Protocol):
-    """What the sender needs of a transport connection to one receiver."""
+    """What the sender needs of a transport connection to one receiver. Optional, used when present
+    (:class:`kvxfer.transport.base.SenderLink` has them): ``prepare(batch)`` before a send,
+    ``hold()``/``unhold()`` around posting a chunk's writes and DONE."""
 
     conn_id: Any
 
@@ -680,9 +682,12 @@ class Sender:
         prepare: :meth:`send` takes them when it sends exactly that."""
         if req.external or leg.atoms is not None or req.pages is None or len(req.pages) != len(leg.dst_pages):
             return
+        prepare = getattr(leg.link, "prepare", None)  # optional (SenderLink)
+        if prepare is None:
+            return
         batch = build_batch(self.layout, req.pages, leg.dst_pages, slot=leg.slot, gen=leg.gen)
         try:
-            leg.link.prepare(batch)
+            prepare(batch)
         except TransportError:
             return  # the send builds its own and meets the link's state there
         leg.prepared = batch
@@ -849,7 +854,7 @@ class Sender:
                 raise InvalidArgument(f"chunk of {chunk.size} pages, only {remaining} left to send"
                                       f"{'' if group.size == self.layout.num_buffers else ' in these buffers'}",
                                       rid=rid, generation=req.gen)
-            links = [leg.link for leg in req.writing]
+            links = [leg.link for leg in req.writing if hasattr(leg.link, "hold")]
             for link in links:  # the chunk's writes and the DONE behind them start together
                 link.hold()
             try:

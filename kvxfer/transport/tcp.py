@@ -851,12 +851,6 @@ class TcpLink(FrameLink):
         return _Wire(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
                      payload=(addresses[:n].tobytes(), lengths[:n].tobytes(), cut.units.astype(np.uint64).tobytes()))
 
-    @staticmethod
-    def _ordered_frame(job: OrderedJob) -> bytes:
-        """The ORDERED frame of ``job``, its message built now (DONE: behind every write before it)."""
-        msg = job.msg() if callable(job.msg) else job.msg
-        return f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
-
     def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob) -> None:
         """One WRITE frame (the whole batch) and the ordered message behind it, in one sendmsg. The
         batch's item checksums are taken first (the message, a DONE, combines them), then the

@@ -41,10 +41,21 @@
 
 #define IOV_BATCH 512
 #ifndef SEND_GROUP
-/* send_runs hands the kernel this much per sendmsg call: measured on loopback, 64 KiB pages, checks
- * off (GB/s, three interleaved runs each): 256 KiB 3.1, 512 KiB 3.6, 1 MiB 4.0, 2 MiB 4.3, 4 MiB 3.7,
- * 8 MiB 4.0, and 2.95 for one call of up to 512 runs (32 MiB), which it did before */
-#define SEND_GROUP (2u << 20)
+/* send_runs hands the kernel this much per sendmsg call. Measured on another host (loopback, 64 KiB
+ * pages, checks off, GB/s, three interleaved runs each): 256 KiB 3.1, 512 KiB 3.6, 1 MiB 4.0, 2 MiB
+ * 4.3, 4 MiB 3.7, 8 MiB 4.0, and 2.95 for one call of up to 512 runs (32 MiB). On the 2-core
+ * development VM of 2026-12-05, once the receiver read in bounded pieces (256 KiB), 1 MiB beat 2 MiB
+ * (kvxfer bench, checks off, each engine pinned to a core, four runs each: 4 KiB pages 3.00-3.13
+ * against 2.71-2.86 GB/s, 64 KiB pages 3.65-3.76 against 3.23-3.29). */
+#define SEND_GROUP (1u << 20)
+#endif
+#ifndef RECV_GROUP
+/* recv_runs asks readv for at most this much per call (a long run is read across calls). Reading
+ * a whole frame (up to 32 MiB) per call was slower on the development VM: the sender waits for the
+ * window that each read opens. kvxfer bench, checks off, 64 KiB pages, pinned, two runs each: 256 KiB
+ * reads 3.57-3.77 GB/s, 128 KiB 4.54-4.73, 64 KiB 4.67-4.90; unpinned, against the whole-frame
+ * reads of before (with 2 MiB sends), 4.20-4.33 against 2.50-2.58 (three alternating runs). */
+#define RECV_GROUP (64u << 10)
 #endif
 
 /* zlib-ng's checksums, looked up in the zlib_ng Python extension that is already loaded (it exports
@@ -162,16 +173,21 @@ static int parse_runs(Py_buffer *addrs, Py_buffer *lens, size_t *count) {
 }
 
 /* Fill runs [first, end) from fd with readv; returns 0, an errno, or -1 for EOF. GIL not held. */
-static int recv_range(int fd, const uint64_t *a, const uint64_t *l, size_t first, size_t end) {
+/* Receive runs [first, end) with readv, at most `limit` bytes per call (0: as many as the iovecs
+ * hold); 0, -1 (peer closed) or an errno. GIL not held. */
+static int recv_range(int fd, const uint64_t *a, const uint64_t *l, size_t first, size_t end, size_t limit) {
     struct iovec iov[IOV_BATCH];
     size_t i = first, off = 0;
     while (i < end) {
         if (l[i] == off) { i++; off = 0; continue; }
         int k = 0;
-        size_t j = i, o = off;
-        while (j < end && k < IOV_BATCH) {
+        size_t j = i, o = off, asked = 0;
+        while (j < end && k < IOV_BATCH && (limit == 0 || asked < limit)) {
+            size_t len = (size_t)(l[j] - o);
+            if (limit && len > limit - asked) len = limit - asked;
             iov[k].iov_base = (char *)(uintptr_t)a[j] + o;
-            iov[k].iov_len = (size_t)(l[j] - o);
+            iov[k].iov_len = len;
+            asked += len;
             o = 0;
             k++;
             j++;
@@ -213,7 +229,7 @@ static PyObject *recv_runs(PyObject *self, PyObject *args) {
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = recv_range(fd, (const uint64_t *)addrs.buf, (const uint64_t *)lens.buf, 0, n);
+    rc = recv_range(fd, (const uint64_t *)addrs.buf, (const uint64_t *)lens.buf, 0, n, RECV_GROUP);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&addrs);
     PyBuffer_Release(&lens);
@@ -272,7 +288,7 @@ static PyObject *recv_runs_summed(PyObject *self, PyObject *args) {
     while (first < n && rc == 0) {
         size_t end = first, bytes = 0;
         while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
-        rc = recv_range(fd, a, l, first, end);
+        rc = recv_range(fd, a, l, first, end, (size_t)chunk);
         if (rc == 0) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
         first = end;
     }

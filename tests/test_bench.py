@@ -202,10 +202,16 @@ def test_bench_ttft_reports_layerwise_whole_and_the_floor_for_every_prompt(tmp_p
 def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
     out = tmp_path / "small.json"
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "1,8", "--page-bytes", "4K",
-                           "--requests", "20", "--repeat", "1", "--baselines", "none", "--json", str(out)],
+                           "--requests", "20", "--repeat", "1", "--baselines", "none", "--pin", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["small_requests"]
+    report = json.loads(out.read_text())
+    assert report["config"]["pin"] is True
+    if len(os.sched_getaffinity(0)) >= 2:  # each side on its own half of the CPUs (the nodes: test_processes)
+        cpus = sorted(os.sched_getaffinity(0))
+        half = len(cpus) // 2
+        assert f"pinned: prefill side on CPUs {cpus[:half]}, decode side on CPUs {cpus[half:]}" in proc.stdout
+    rows = report["small_requests"]
     assert [(r["page_bytes"], r["request_pages"]) for r in rows] == [(4096, 1), (4096, 8)]
     for r in rows:
         k = r["kvxfer-tcp"]

@@ -84,3 +84,33 @@ def test_killed_reader_fails_the_writer_without_leaking_source_pages():
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity (Linux) and at least two CPUs")
+def test_a_node_asked_for_cpus_runs_every_thread_on_them():
+    """``spawn(..., cpus=...)`` (the bench's --pin): every thread of the node, its engine's included,
+    runs on the CPUs asked for, read back from the kernel; a node asked for none runs on all."""
+    import os
+    from pathlib import Path
+
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def allowed(pid: int) -> dict[int, str]:
+        found = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    found[int(task.name)] = line.split(":", 1)[1].strip()
+        return found
+
+    pinned = spawn(_spec("decode", 64), cpus=[cpus[-1]])
+    free = spawn(_spec("decode", 64))
+    try:
+        threads = allowed(pinned.process.pid)
+        assert len(threads) > 3  # the engine's threads, started after the pinning
+        assert set(threads.values()) == {str(cpus[-1])}, threads
+        assert str(cpus[-1]) not in set(allowed(free.process.pid).values())
+    finally:
+        pinned.close()
+        free.close()

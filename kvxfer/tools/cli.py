@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "one in flight, beside NIXL and Mooncake where installed (checks on; pages of "
                        "--page-bytes, default 4K and 64K)")
     bench.add_argument("--requests", type=int, default=200, help="--small-requests: requests per round and size")
+    bench.add_argument("--pin", action="store_true",
+                       help="run the prefill side's processes (kvxfer's prefill, a peer's initiator) on the first half "
+                       "of the CPUs and the decode side's (kvxfer's decode, a peer's target) on the rest, as on two "
+                       "machines; every contestant alike (throughput, --tp and --small-requests cases)")
     bench.add_argument("--decodes", type=int, default=16, help="--first-request: fresh decode processes (at least 2)")
     bench.add_argument("--steady", type=int, default=8, help="--first-request: steady requests per decode")
     ttft = bench.add_argument_group(
@@ -352,6 +356,7 @@ def _bench(args: argparse.Namespace) -> int:
         first_request_transports=[transport] if args.transport or os.environ.get("KVXFER_TRANSPORT") else None,
         small_requests=_counts(args.small_requests) if args.small_requests else None,
         small_requests_count=max(2, args.requests),
+        pin=args.pin,
     )
     if config.small_requests is not None and not config.small_requests:
         print(f"kvxfer bench: --small-requests takes page counts above 0 separated by commas, not "

@@ -475,11 +475,12 @@ class NodeClient:
         self.close()
 
 
-def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None) -> NodeClient:
+def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: Any = None) -> NodeClient:
     """Start a node process; raise the child's startup error (e.g. CapacityError) if it refuses.
 
     The node dies with this process (:func:`kvxfer.tools.procs.popen`), and removes this process's
-    :class:`kvxfer.tools.procs.TempDir` directories if this process dies first."""
+    :class:`kvxfer.tools.procs.TempDir` directories if this process dies first. ``cpus``: the CPUs it
+    runs on (all of them if None)."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     process = procs.popen(
@@ -488,6 +489,7 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None) -> NodeC
         stderr=stderr,
         text=True,
         env=env,
+        cpus=cpus,
     )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None

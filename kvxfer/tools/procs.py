@@ -25,6 +25,10 @@ module owns the rule that none of them outlives its tool, however the tool ends,
   temporary directories removed), prints one line naming the tool and the signal, and returns
   128 + N, the shell's convention for a death by signal N. A second signal while it unwinds exits at
   once; the children then still follow through the lifeline.
+* **CPUs.** ``popen(..., cpus=...)`` asks the child to run on those CPUs only; :func:`adopt` applies
+  it first thing, to every thread the child has (a library may have started some as it was
+  imported) and so to every thread it starts later (the bench's ``--pin``: the prefill and the
+  decode side on CPUs of their own, as on two machines).
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 LIFELINE_ENV = "KVXFER_LIFELINE"  # "READ_FD PARENT_PID PDEATHSIG(0|1)", for adopt()
 ORPHAN_PATHS_ENV = "KVXFER_ORPHAN_PATHS"  # directories the child removes if the parent dies first
+CPUS_ENV = "KVXFER_CPUS"  # "0,1": the CPUs the child runs on (adopt() applies it)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
@@ -84,10 +89,15 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def popen(args: list[str], *, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
-    """Start a kvxfer child (a Python program that calls :func:`adopt`) that dies with this process."""
+def popen(args: list[str], *, env: dict[str, str] | None = None, cpus: Iterable[int] | None = None,
+          **kwargs: Any) -> subprocess.Popen:
+    """Start a kvxfer child (a Python program that calls :func:`adopt`) that dies with this process;
+    with ``cpus``, it runs on those CPUs only."""
     fd = _lifeline_fd()
     env = dict(os.environ if env is None else env)
+    env.pop(CPUS_ENV, None)
+    if cpus is not None:
+        env[CPUS_ENV] = ",".join(str(cpu) for cpu in sorted(cpus))
     env[LIFELINE_ENV] = f"{fd} {os.getpid()} {int(_on_main_thread() and sys.platform.startswith('linux'))}"
     with _lock:
         env[ORPHAN_PATHS_ENV] = os.pathsep.join(sorted(_registered))
@@ -203,6 +213,7 @@ def adopt(*, grace: float = 10.0) -> None:
     ``grace`` seconds later it is ended regardless. Started any other way (by hand), nothing happens.
     """
     global _parent
+    _run_on_given_cpus()
     spec = os.environ.pop(LIFELINE_ENV, None)
     paths = os.environ.pop(ORPHAN_PATHS_ENV, "")
     if not spec:
@@ -218,6 +229,25 @@ def adopt(*, grace: float = 10.0) -> None:
             pass
     # a parent that died before prctl took hold has closed the lifeline already: the thread sees EOF
     threading.Thread(target=_watch, args=(fd, grace), name="kvxfer-lifeline", daemon=True).start()
+
+
+def _run_on_given_cpus() -> None:
+    """The CPUs the parent asked for (:data:`CPUS_ENV`), before this process starts any thread."""
+    given = os.environ.pop(CPUS_ENV, "")
+    if not given:
+        return
+    try:
+        cpus = {int(cpu) for cpu in given.split(",")}
+        os.sched_setaffinity(0, cpus)
+        # threads a library started while the program imported it (a BLAS pool) move too
+        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
+        for task in tasks:
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+    except (AttributeError, ValueError, OSError) as exc:  # not Linux, or CPUs this process may not use
+        print(f"kvxfer: cannot run on CPUs {given}: {exc}; running on any", file=sys.stderr)
 
 
 def orphaned() -> bool:

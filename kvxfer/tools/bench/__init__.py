@@ -13,7 +13,8 @@ first request to a fresh decode pays, cold (peering on demand) and peered ahead,
 and the handshake itself (:mod:`.first`); ``--small-requests`` the per-request latency of requests of
 1, 8 and 64 pages beside NIXL's and Mooncake's (:mod:`.small`); ``--ttft`` the time from a modelled
 prefill's start to the decode's READABLE, layer-wise against whole-request (:mod:`.ttft`). Speed targets are judged on the printed ratios, never by
-timed unit tests.
+timed unit tests. ``--pin`` runs the prefill side's processes on one half of the CPUs and the decode
+side's on the other, every contestant alike: two machines, modelled on one host.
 
 Every process a bench starts (engine nodes, peers, ``ib_write_bw``) dies with it (:mod:`kvxfer.tools.procs`);
 a stop signal closes every session that was started, without the closing measurements.
@@ -38,6 +39,12 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     ``config.first_request``: the first-request report instead (:mod:`.first`)."""
     import tempfile
 
+    if config.pin:
+        from .cases import side_cpus
+
+        prefill, decode = side_cpus(config, "prefill"), side_cpus(config, "decode")
+        print(f"pinned: prefill side on CPUs {prefill}, decode side on CPUs {decode}" if prefill else
+              "--pin: fewer than two CPUs to split, nothing pinned", flush=True)
     if config.first_request:
         from .first import run_first_request
 

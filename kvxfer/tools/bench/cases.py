@@ -17,6 +17,20 @@ from .. import procs
 from ..node import NodeSpec, spawn
 
 
+def side_cpus(config: BenchConfig, side: str) -> list[int] | None:
+    """With ``config.pin``, the CPUs of ``side`` ("prefill": the first half of the CPUs this process
+    may use, "decode": the rest); None without it, or with fewer than two CPUs to split."""
+    if not config.pin:
+        return None
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half] if side == "prefill" else cpus[half:]
+
+
 class Unavailable(RuntimeError):
     """A contestant cannot run on this machine (its tool is not installed); the message says what
     to install. The bench skips it with that one line instead of reporting a failed case."""
@@ -47,6 +61,9 @@ class BenchConfig:
     # --small-requests (kvxfer.tools.bench.small): per-request latency of requests of these many pages
     small_requests: list[int] | None = None
     small_requests_count: int = 200  # requests per round and size
+    # --pin: the prefill side's processes (kvxfer's prefill, a peer's initiator) on one half of this
+    # machine's CPUs, the decode side's (kvxfer's decode, a peer's target) on the other: two machines
+    pin: bool = False
 
 
 @dataclass
@@ -184,8 +201,8 @@ class KvxferSession(Session):
         self.noticed_latencies: list[float] = []  # send() to the decode's wait() returning it READABLE
 
     def start(self) -> None:
-        self.decode = spawn(self.decode_spec, stderr=self.node_log)
-        self.prefill = spawn(self.prefill_spec, stderr=self.node_log)
+        self.decode = spawn(self.decode_spec, stderr=self.node_log, cpus=side_cpus(self.config, "decode"))
+        self.prefill = spawn(self.prefill_spec, stderr=self.node_log, cpus=side_cpus(self.config, "prefill"))
         self.peer = self.decode.connect(address=self.prefill.control)
         self.rss_start = self.decode.rss()
 
@@ -269,6 +286,7 @@ class PeerSession(Session):
         super().__init__(CaseResult(transport=name, page_bytes=page_bytes, bytes=pages * page_bytes,
                                     seconds=0.0, checks="off"))
         self.args = [name, str(pages), str(page_bytes), str(pool_pages)]
+        self.config = config
         self.procs: list[Any] = []
         self.request_pages, self.concurrency = _per, config.concurrency
         self.rounds = 0
@@ -281,8 +299,10 @@ class PeerSession(Session):
         import sys
 
         env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
+        side = "decode" if role == "target" else "prefill"
         proc = procs.popen([sys.executable, "-m", "kvxfer.tools.bench.peers", self.args[0], role, *self.args[1:], *extra],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                           cpus=side_cpus(self.config, side))
         self.procs.append(proc)
         info = self._read(proc) or {"error": f"{role} exited with {proc.wait()}"}
         if "unavailable" in info:

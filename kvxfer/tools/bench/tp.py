@@ -17,7 +17,7 @@ from typing import Any
 from ...core.geometry import BufferGeometry, KVGeometry, heads_of_rank
 from ...errors import ConfigError
 from ..node import spawn
-from .cases import BenchConfig, KvxferSession, record_latency
+from .cases import BenchConfig, KvxferSession, record_latency, side_cpus
 
 KV_HEADS = 8
 HEAD_BYTES = 256  # head_dim 128 in bfloat16
@@ -79,9 +79,9 @@ class UnequalTpSession(KvxferSession):
         self.peers: list[str] = []
 
     def start(self) -> None:
-        self.decode = spawn(self.decode_spec, stderr=self.node_log)
+        self.decode = spawn(self.decode_spec, stderr=self.node_log, cpus=side_cpus(self.config, "decode"))
         for spec in self.prefill_specs:
-            self.prefills.append(spawn(spec, stderr=self.node_log))
+            self.prefills.append(spawn(spec, stderr=self.node_log, cpus=side_cpus(self.config, "prefill")))
             self.peers.append(self.decode.connect(address=self.prefills[-1].control))
         self.rss_start = self.decode.rss()
 

@@ -511,6 +511,9 @@ def test_small_batches_leave_with_their_done_in_one_send_and_verify(engines):
                 pair.prefill.send(rid, count=count, aux=b"tail" if rid == "aux" else b"")
         req = pair.decode.wait(rid)
         assert req.state is R.READABLE, (rid, req.error)
+        # the lane counts a batch after its sendmsg returned, before it reports the writes complete:
+        # the decode may verify first (CI: the count read 0), the prefill's wait() comes after
+        pair.prefill.wait(rid)
         assert link.sent_with_ordered == before + (0 if rid == "large" or not one_send else 1), rid
         # a send of the whole request takes the batch and frame prepared when META arrived
         assert link.sent_prepared == prepared_before + (1 if rid in ("whole", "aux") and one_send else 0), rid

@@ -52,9 +52,10 @@
 #ifndef RECV_GROUP
 /* recv_runs asks readv for at most this much per call (a long run is read across calls). Reading
  * a whole frame (up to 32 MiB) per call was slower on the development VM: the sender waits for the
- * window that each read opens. kvxfer bench, checks off, 64 KiB pages, pinned, two runs each: 256 KiB
- * reads 3.57-3.77 GB/s, 128 KiB 4.54-4.73, 64 KiB 4.67-4.90; unpinned, against the whole-frame
- * reads of before (with 2 MiB sends), 4.20-4.33 against 2.50-2.58 (three alternating runs). */
+ * window that each read opens. kvxfer bench, checks off, 64 KiB pages, pinned: 256 KiB reads
+ * 3.57-3.90 GB/s (eight runs), 128 KiB 4.54-4.73 (six), 64 KiB 4.67-4.90 (four); unpinned, against
+ * the whole-frame reads of before (with 2 MiB sends), 4.20-4.33 against 2.50-2.58 (three alternating
+ * runs). */
 #define RECV_GROUP (64u << 10)
 #endif
 

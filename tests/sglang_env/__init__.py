@@ -141,9 +141,14 @@ class Server:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> Server:
+        # the server's temporary files (SGLang's and vLLM's IPC sockets, vLLM's dist files, torch's
+        # compile cache) go under the test's own directory, not the system's /tmp, where a killed
+        # server would leave them
+        tmp = self.log_path.parent / f"{self.name}.tmp"
+        tmp.mkdir(exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
-        self.process = subprocess.Popen([self.executable, *self.args], env=self.env, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen([self.executable, *self.args], env={**self.env, "TMPDIR": str(tmp)},
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return self
 

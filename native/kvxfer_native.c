@@ -173,9 +173,8 @@ static int parse_runs(Py_buffer *addrs, Py_buffer *lens, size_t *count) {
     return 0;
 }
 
-/* Fill runs [first, end) from fd with readv; returns 0, an errno, or -1 for EOF. GIL not held. */
-/* Receive runs [first, end) with readv, at most `limit` bytes per call (0: as many as the iovecs
- * hold); 0, -1 (peer closed) or an errno. GIL not held. */
+/* Fill runs [first, end) from fd with readv, asking at most `limit` bytes per call (0: as many as
+ * the iovecs hold); returns 0, an errno, or -1 for EOF. GIL not held. */
 static int recv_range(int fd, const uint64_t *a, const uint64_t *l, size_t first, size_t end, size_t limit) {
     struct iovec iov[IOV_BATCH];
     size_t i = first, off = 0;

@@ -232,7 +232,8 @@ def adopt(*, grace: float = 10.0) -> None:
 
 
 def _run_on_given_cpus() -> None:
-    """The CPUs the parent asked for (:data:`CPUS_ENV`), before this process starts any thread."""
+    """The CPUs the parent asked for (:data:`CPUS_ENV`), for every thread this process has now, so
+    that every thread it starts later inherits them."""
     given = os.environ.pop(CPUS_ENV, "")
     if not given:
         return

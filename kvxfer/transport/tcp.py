@@ -82,8 +82,8 @@ SLICE_FRAME_MAX_RUNS = f.MAX_RUNS
 # land this much, then checksum it while it is still in cache; as native recv_runs reads (RECV_GROUP)
 SUM_CHUNK = 64 << 10
 # send this much (as native send_runs does, SEND_GROUP), then checksum it from the cache the kernel
-# filled. On the 2-core VM (kvxfer bench, checks on, pinned, two runs each): 1 MiB 2.29-2.46 GB/s at 4 KiB
-# pages and 3.56-3.74 at 64 KiB; 2 MiB 1.95-2.05 and 2.87-2.91; 512 KiB 2.46 and 3.19-3.25
+# filled. On the 2-core VM (kvxfer bench, checks on, pinned; 1 MiB eight runs, the others two): 1 MiB
+# 2.28-2.46 GB/s at 4 KiB pages and 3.56-3.74 at 64 KiB; 2 MiB 1.95-2.05 and 2.87-2.91; 512 KiB 2.46 and 3.19-3.25
 SEND_SUM_CHUNK = 1 << 20
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 # a write batch at most this large, with an ordered message (its DONE) queued right behind it, leaves

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -86,12 +87,11 @@ def test_killed_reader_fails_the_writer_without_leaking_source_pages():
         prefill.close()
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity (Linux) and at least two CPUs")
 def test_a_node_asked_for_cpus_runs_every_thread_on_them():
     """``spawn(..., cpus=...)`` (the bench's --pin): every thread of the node, its engine's included,
     runs on the CPUs asked for, read back from the kernel; a node asked for none runs on all."""
-    import os
     from pathlib import Path
 
     cpus = sorted(os.sched_getaffinity(0))

@@ -79,12 +79,11 @@ FRAME_MAX_RUNS = 512  # whole-page runs: 2 MiB frames of 4 KiB pages (one kernel
 # a head slice's runs are small pieces (one token's heads of a page): frames of this many runs, which
 # carried 0.49-0.51x of equal TP's rate in the 2:1 bench against 0.33-0.43x with 512 (4 paired runs)
 SLICE_FRAME_MAX_RUNS = f.MAX_RUNS
-# land this much, then checksum it while it is still in cache; as native recv_runs reads (RECV_GROUP)
-SUM_CHUNK = 64 << 10
-# send this much (as native send_runs does, SEND_GROUP), then checksum it from the cache the kernel
-# filled. On the 2-core VM (kvxfer bench, checks on, pinned; 1 MiB eight runs, the others two): 1 MiB
-# 2.28-2.46 GB/s at 4 KiB pages and 3.56-3.74 at 64 KiB; 2 MiB 1.95-2.05 and 2.87-2.91; 512 KiB 2.46 and 3.19-3.25
-SEND_SUM_CHUNK = 1 << 20
+# the checked path lands and sends in the groups native recv_runs and send_runs use (RECV_GROUP and
+# SEND_GROUP, chosen by measurement in native/kvxfer_native.c): it checksums each group right after
+# it landed, or right after the kernel copied it, while it is still in cache
+SUM_CHUNK = getattr(native.lib, "RECV_GROUP", 64 << 10)
+SEND_SUM_CHUNK = getattr(native.lib, "SEND_GROUP", 1 << 20)
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 # a write batch at most this large, with an ordered message (its DONE) queued right behind it, leaves
 # with that message in one sendmsg: its item checksums are taken before sending instead of during it

@@ -564,6 +564,12 @@ def encode(message: Message) -> bytes:
     return data
 
 
+# One msgpack value of at most MAX_MESSAGE_BYTES, nothing after it (unpackb raises ExtraData), no
+# extension types, string keys; the caps bound what a hostile message can make the decoder allocate.
+_UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR * 4, max_bin_len=MAX_MESSAGE_BYTES,
+                      max_array_len=1 << 17, max_map_len=64, max_ext_len=0)
+
+
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Parse and validate one message; raise :class:`ProtocolError` on anything unexpected."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -572,31 +578,14 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     if len(data) == 0:
         raise ProtocolError("empty message")
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        strict_map_key=True,
-        max_buffer_size=MAX_MESSAGE_BYTES,
-        max_str_len=MAX_STR * 4,
-        max_bin_len=MAX_MESSAGE_BYTES,
-        max_array_len=1 << 17,
-        max_map_len=64,
-        max_ext_len=0,
-    )
     try:
-        unpacker.feed(bytes(data))
-        envelope = unpacker.unpack()
-    except msgpack.OutOfData:
-        raise ProtocolError("truncated message (msgpack ran out of data)") from None
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
-    try:
-        unpacker.unpack()
-    except msgpack.OutOfData:
-        pass
-    except Exception:
+        envelope = msgpack.unpackb(bytes(data), **_UNPACK_LIMITS)
+    except msgpack.ExtraData:
         raise ProtocolError("trailing bytes after the message") from None
-    else:
-        raise ProtocolError("trailing bytes after the message")
+    except Exception as exc:  # msgpack raises several types for malformed input
+        if isinstance(exc, ValueError) and "incomplete input" in str(exc):
+            raise ProtocolError("truncated message (msgpack ran out of data)") from None
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
     if not isinstance(envelope, list) or len(envelope) != 3:
         raise ProtocolError("envelope must be a 3-element array [version, type, body]")
     version, type_name, body = envelope

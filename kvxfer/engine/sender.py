@@ -1059,7 +1059,8 @@ class Sender:
         with self.lock:
             leg.done_built = True
             self._maybe_release(leg.req)
-            self.changed.notify_all()
+            if leg.req.fsm.terminal:  # wait() waits for terminal and drained; nothing waits for DONE alone
+                self.changed.notify_all()
 
     def refuse(self, rid: Any, reason: str, detail: str) -> None:
         """The caller gave up on ``rid`` before admitting it (its client left, its bootstrap timed
@@ -1155,10 +1156,12 @@ class Sender:
     def _on_complete(self, batch: WriteBatch, ok: int, failed: int) -> None:
         """Transport callback: ``ok + failed`` writes of ``batch`` completed (any thread).
 
-        Waiters (``wait_ready``, ``wait``, ``close``) are woken only when what they wait for may have
-        changed: the request's state, or every posted write completed. A wake per frame (2 MiB of
-        4 KiB pages) cost the send thread a third of its time in GIL hand-offs to waiters that went
-        back to sleep (py-spy, tcp bench, 4 KiB pages)."""
+        Waiters (``wait_ready``: a state change; ``wait``: terminal and drained) are woken only when what
+        they wait for may have changed: the request's state, or the last posted write of a terminal
+        request completed. A wake per frame (2 MiB of 4 KiB pages) cost the send thread a third of its
+        time in GIL hand-offs to waiters that went back to sleep (py-spy, tcp bench, 4 KiB pages); a
+        wake when a small request's writes completed, before its RESULT, put the caller's ``wait()``
+        between the sending lane and its ``sendmsg``."""
         with self.lock:
             leg = batch.owner
             if leg is None:
@@ -1173,7 +1176,7 @@ class Sender:
                                                rid=req.rid, generation=req.gen), culprit=leg)
             self._maybe_drained(req)
             self._maybe_release(req)
-            if leg.quiescent or req.state is not state:
+            if req.state is not state or (leg.quiescent and req.fsm.terminal):
                 self.changed.notify_all()
 
     def on_connection_closed(self, link: Any, reason: str) -> None:

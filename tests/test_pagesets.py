@@ -67,6 +67,16 @@ def test_combine_adler32_is_adler32_of_the_concatenation(pieces: int) -> None:
 
 
 @pytest.mark.parametrize("algo", [ChecksumAlgo.ADLER32, ChecksumAlgo.CRC32])
+@pytest.mark.parametrize("size", [0, 1, 4096, 65522])
+def test_combining_one_piece_gives_its_own_checksum(algo: ChecksumAlgo, size: int) -> None:
+    """A one-page request's checksum is its page's (``combine`` returns it without combining)."""
+    chunk = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    fn = zlib.adler32 if algo is ChecksumAlgo.ADLER32 else zlib.crc32
+    value = combine(algo, np.array([fn(chunk)], dtype=np.uint32), np.array([size], dtype=np.int64))
+    assert value == fn(chunk) and type(value) is int
+
+
+@pytest.mark.parametrize("algo", [ChecksumAlgo.ADLER32, ChecksumAlgo.CRC32])
 @pytest.mark.parametrize("pieces", [0, 1, 2, 300])
 def test_combine_is_the_checksum_of_the_concatenation(algo: ChecksumAlgo, pieces: int) -> None:
     """``combine`` (zlib-ng's combinations in C where the native path loaded them, else Python) and

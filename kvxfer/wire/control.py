@@ -242,12 +242,12 @@ class ControlPlane:
             self._read_monitor()
         if self._router not in ready:
             return out
-        while True:
+        # ZMQ_EVENTS says whether another message waits: reading until zmq.Again raised an exception
+        # at the end of every batch, which cold cost more than the read (twice per request).
+        while self._router.get(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return out
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # zmq.Again included: nothing after all
                 return out
             self.received += 1
             identity = frames[0].bytes.decode("utf-8", "replace") if frames else "?"
@@ -258,7 +258,8 @@ class ControlPlane:
                 continue
             out.append((identity, frames[1].bytes))
             if len(out) >= 1000:
-                return out
+                break
+        return out
 
     def _authenticated(self, identity: str, frame: zmq.Frame) -> bool:
         """Bind ``identity`` to the key it authenticated with; refuse it under any other key."""

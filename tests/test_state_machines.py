@@ -124,6 +124,70 @@ def _runs(*items: tuple[int, int, int]) -> np.ndarray:
     return runs
 
 
+def _mixed_layout(pages: int, items: list[int]):
+    """Buffers of different item lengths (a layout of K, V and an index buffer)."""
+    from kvxfer.core.layout import BufferSpec, KVLayout
+    from kvxfer.core.memory import allocate_host
+
+    region = allocate_host(sum(items) * pages, name="kv", prefault=False)
+    offsets = np.concatenate(([0], np.cumsum(items)[:-1])) * pages
+    return KVLayout([BufferSpec(region, int(o), i) for o, i in zip(offsets, items)], num_pages=pages, page_size=1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_guards_integer_check_of_small_writes_accepts_only_what_its_vectorised_check_accepts(seed):
+    """Writes of up to FEW_PAGES pages are accepted by ``_accept_few`` (Python integers) before the
+    vectorised rules run; anything it accepts the vectorised check must accept, with the same page
+    counts, or a write the rules refuse would land. Random run tables, hostile ones included (wrong
+    buffer, misaligned, past the pool, huge offsets, another owner's or a quarantined page, zero
+    length), against random ledgers; most small well-formed writes take the fast path."""
+    from kvxfer.core.writeguard import FEW_PAGES
+
+    rng = np.random.default_rng(seed)
+    items = [int(x) for x in rng.choice([64, 128, 192, 4096], size=int(rng.integers(1, 4)))]
+    layout = _mixed_layout(64, items)
+    ledger = PageLedger(64)
+    guard = WriteGuard(layout, ledger)
+    mine = ledger.allocate(40, 7)
+    theirs = ledger.allocate(10, 8)
+    ledger.move(mine[:4], 7, PageState.QUARANTINED, allowed=(PageState.RESERVED,))
+    ledger.move(mine[4:8], 7, PageState.WRITTEN, allowed=(PageState.RESERVED,))
+    window = Window(rid="a", gen=7, slot=1, conn="c", pages=mine[4:])
+    guard.open(window)
+    accepted = fast = 0
+    for _ in range(3000):
+        table = []
+        for _ in range(int(rng.integers(1, 5))):
+            buffer = int(rng.integers(0, len(items) + 1)) if rng.random() < 0.1 else int(rng.integers(0, len(items)))
+            item = items[min(buffer, len(items) - 1)]
+            page = int(rng.choice(mine)) if rng.random() < 0.8 else int(rng.choice(np.concatenate((theirs, [63, 64, 70]))))
+            count = int(rng.integers(0, 6))
+            offset, length = page * item, count * item
+            roll = rng.random()
+            if roll < 0.05:
+                offset += int(rng.integers(1, item))
+            elif roll < 0.1:
+                length += int(rng.integers(1, item))
+            elif roll < 0.13:
+                offset = int(rng.integers(1 << 62, 1 << 64, dtype=np.uint64))
+            table.append((buffer, 0, offset, length))
+        runs = _runs(*[(b, o, n) for b, _f, o, n in table])
+        quick = guard._accept_few(window, runs)
+        try:
+            counts = guard._check_runs(window, runs)
+        except WriteRefused:
+            counts = None
+        if counts is not None:
+            accepted += 1
+        if quick is not None:
+            fast += 1
+            assert counts is not None, f"accepted by the integer check, refused by the rules: {table}"
+            assert np.array_equal(quick, counts), table
+        elif counts is not None and int(counts.sum()) <= FEW_PAGES:
+            raise AssertionError(f"a small write the rules accept missed the fast path: {table}")
+    assert fast > 300 and accepted < 3000, (fast, accepted)
+
+
 def test_write_guard_accepts_only_the_window_and_records_coverage():
     layout = make_layout(16, buffers=2, item=64)
     ledger = PageLedger(16)

@@ -34,13 +34,19 @@ from typing import Any
 import numpy as np
 
 from ..errors import WriteRefused
+from .checksum import combine
 from .layout import KVLayout
 from .ledger import WRITABLE_STATES, PageLedger
 from .pagesets import all_set, any_set, total
+from .runs import RUN_DTYPE
 from .slicing import SliceTable, expand_runs
 
 log = logging.getLogger("kvxfer.writeguard")
 _LOG_FIRST = 20
+# Writes of at most this many pages are checked with Python integers first (:meth:`WriteGuard._accept_few`):
+# a one-page write is one run, and numpy's per-call cost was most of its check.
+FEW_PAGES = 16
+_WRITABLE_VALUES = frozenset(int(s) for s in WRITABLE_STATES)
 
 
 @dataclass
@@ -82,6 +88,7 @@ class WriteGuard:
         self.ledger = ledger
         self.lock = lock or threading.RLock()
         self.covered = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
+        self._item_lens = [int(n) for n in layout.item_lens]
         # Per (buffer, page) checksum of the item as it landed, when the transport computed one while
         # the bytes were still in cache; ``summed`` says which items have a current one.
         self.item_sum = np.zeros((layout.num_buffers, layout.num_pages), dtype=np.uint32)
@@ -209,6 +216,44 @@ class WriteGuard:
                 rid=window.rid,
                 generation=gen,
             )
+        if window.table is None and len(runs) <= FEW_PAGES:
+            counts = self._accept_few(window, runs)
+            if counts is not None:
+                return window, counts
+        return window, self._check_runs(window, runs)
+
+    def _accept_few(self, window: Window, runs: np.ndarray) -> np.ndarray | None:
+        """The per-run page counts of a write of whole pages that passes every rule of :meth:`_check_runs`
+        (in range, aligned, in pages the window's owner holds writable), checked page by page with
+        Python integers; None when a rule fails or the write covers more than :data:`FEW_PAGES` pages,
+        and :meth:`_check_runs` decides (and names the reason). It only ever accepts less."""
+        if runs.dtype != RUN_DTYPE:
+            return None
+        items = self._item_lens
+        num_pages = self.layout.num_pages
+        state, stamps, owner = self.ledger.state, self.ledger.generation, window.owner_gen
+        left = FEW_PAGES
+        counts = []
+        for buffer, _flags, offset, length in runs.tolist():
+            if buffer >= len(items) or length <= 0:
+                return None
+            item = items[buffer]
+            if offset % item or length % item:
+                return None
+            first, count = offset // item, length // item
+            left -= count
+            if left < 0 or first + count > num_pages:
+                return None
+            for page in range(first, first + count):
+                if state.item(page) not in _WRITABLE_VALUES or stamps.item(page) != owner:
+                    return None
+            counts.append(count)
+        return np.array(counts, dtype=np.int64)
+
+    def _check_runs(self, window: Window, runs: np.ndarray) -> np.ndarray:
+        """Per-run page counts of a write inside ``window`` (slot and connection already checked), or
+        WriteRefused: the rules, vectorised over the run table."""
+        gen = window.gen
         buffers = runs["buffer"].astype(np.int64)
         offsets = runs["offset"].astype(np.int64)
         lengths = runs["length"].astype(np.int64)
@@ -223,7 +268,7 @@ class WriteGuard:
                 generation=gen,
             )
         if window.table is not None:
-            return window, self._check_slice(window, buffers, offsets, lengths)
+            return self._check_slice(window, buffers, offsets, lengths)
         items = self.layout.item_lens[buffers]
         if any_set((offsets % items) | (lengths % items)):  # both >= 0: nonzero if either is
             raise WriteRefused(
@@ -251,7 +296,7 @@ class WriteGuard:
                 generation=gen,
                 pages=pages[~ok],
             )
-        return window, counts
+        return counts
 
     def _check_slice(self, window: Window, buffers: np.ndarray, offsets: np.ndarray,
                      lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -335,8 +380,6 @@ class WriteGuard:
     def landed_checksum(self, pages: np.ndarray, algo: Any) -> int | None:
         """The request checksum combined from item checksums taken as the bytes landed, or None if
         some item has none (the caller then reads the pages)."""
-        from .checksum import combine
-
         with self.lock:
             if not all_set(self.summed[:, pages]):
                 return None

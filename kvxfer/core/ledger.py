@@ -350,7 +350,16 @@ class PageLedger:
         """RESERVED pages of ``generation`` among ``pages`` become WRITTEN; others stay as they are.
 
         Called by the data path once a page is covered in every buffer. Pages that meanwhile went
-        QUARANTINED (or to another owner) are left alone. Returns how many pages moved."""
+        QUARANTINED (or to another owner) are left alone. Returns how many pages moved. A short list of
+        Python integers (a small write's pages) is moved one by one, without numpy's per-call cost."""
+        if type(pages) is list and len(pages) <= 64:
+            moved = 0
+            for page in pages:
+                if (0 <= page < self.num_pages and self.state.item(page) == PageState.RESERVED
+                        and self.generation.item(page) == generation):
+                    self.state[page] = _WRITTEN
+                    moved += 1
+            return moved
         pages = _as_pages(pages)
         mine = (self.state[pages] == _RESERVED) & (
             self.generation[pages] == np.uint64(generation)

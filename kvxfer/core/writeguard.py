@@ -93,6 +93,9 @@ class WriteGuard:
         # the bytes were still in cache; ``summed`` says which items have a current one.
         self.item_sum = np.zeros((layout.num_buffers, layout.num_pages), dtype=np.uint32)
         self.summed = np.zeros((layout.num_buffers, layout.num_pages), dtype=bool)
+        # 1-D views of the three (buffer, page) arrays, indexed by buffer * num_pages + page
+        self._covered_flat, self._summed_flat, self._item_sum_flat = (
+            self._flat(a) for a in (self.covered, self.summed, self.item_sum))
         self._windows: dict[int, Window] = {}
         self._by_slot: dict[int, Window] = {}
         self.newest_generation = 0
@@ -321,36 +324,75 @@ class WriteGuard:
         with self.lock:
             if window.table is not None:
                 self._record_slice(window, runs, counts)
-                return
-            buffers = runs["buffer"].astype(np.int64)
-            lengths = runs["length"].astype(np.int64)
-            items = self.layout.item_lens[buffers]
-            if counts is None:
-                counts = lengths // items
-            first = runs["offset"].astype(np.int64) // items
-            pages = expand_runs(first, counts)
-            # (buffer, page) as one index into the flattened (C-contiguous) arrays: cheaper than 2-D
-            # fancy indexing on this per-frame path
-            one_buffer = self.layout.num_buffers == 1
-            flat = pages if one_buffer else np.repeat(buffers, counts) * self.layout.num_pages + pages
-            covered = self._flat(self.covered)
-            window.duplicate_items += int(np.count_nonzero(covered[flat]))
-            covered[flat] = True
-            summed = self._flat(self.summed)
-            if sums is not None and len(sums) == len(pages):
-                self._flat(self.item_sum)[flat] = sums
-                summed[flat] = True
+            elif not (len(runs) <= FEW_PAGES and runs.dtype == RUN_DTYPE and self._record_few(window, runs, sums)):
+                self._record_runs(window, runs, counts, sums)
+
+    def _record_few(self, window: Window, runs: np.ndarray, sums: np.ndarray | None) -> bool:
+        """:meth:`_record_runs` for a write of at most :data:`FEW_PAGES` whole pages, page by page with
+        Python integers (as :meth:`_accept_few` checks them); False, recording nothing, for a longer one."""
+        items, num_pages = self._item_lens, self.layout.num_pages
+        spans = []
+        nbytes = pages = 0
+        for buffer, _flags, offset, length in runs.tolist():
+            item = items[buffer]
+            spans.append((buffer * num_pages, offset // item, length // item))
+            nbytes += length
+            pages += length // item
+        if pages > FEW_PAGES:
+            return False
+        sums_of = sums.tolist() if sums is not None and len(sums) == pages else None
+        covered, summed, item_sum = self._covered_flat, self._summed_flat, self._item_sum_flat
+        touched = [page for _, first, count in spans for page in range(first, first + count)]
+        at = [base + page for base, first, count in spans for page in range(first, first + count)]
+        duplicates = sum(covered.item(i) for i in at)  # covered before this write, as _record_runs counts
+        for k, i in enumerate(at):
+            covered[i] = True
+            if sums_of is None:
+                summed[i] = False
             else:
-                summed[flat] = False
-            # a page is WRITTEN once covered in every buffer; with one buffer every page just recorded
-            # is (mark_written moves only this generation's RESERVED pages and ignores repeats)
-            full = pages if one_buffer else pages[self.covered[:, pages].all(axis=0)]
-            self.ledger.mark_written(full, window.gen)
-            nbytes = total(lengths)
-            window.bytes_landed += nbytes
-            window.writes_landed += len(runs)
-            self.landed_bytes += nbytes
-            self.landed_writes += len(runs)
+                item_sum[i] = sums_of[k]
+                summed[i] = True
+        if len(items) > 1:  # WRITTEN once covered in every buffer
+            touched = [p for p in dict.fromkeys(touched) if all(covered.item(b * num_pages + p) for b in range(len(items)))]
+        self.ledger.mark_written(touched, window.gen)
+        window.duplicate_items += duplicates
+        window.bytes_landed += nbytes
+        window.writes_landed += len(spans)
+        self.landed_bytes += nbytes
+        self.landed_writes += len(spans)
+        return True
+
+    def _record_runs(self, window: Window, runs: np.ndarray, counts: Any, sums: np.ndarray | None) -> None:
+        """Record a write of whole pages (under the lock), vectorised over its run table."""
+        buffers = runs["buffer"].astype(np.int64)
+        lengths = runs["length"].astype(np.int64)
+        items = self.layout.item_lens[buffers]
+        if counts is None:
+            counts = lengths // items
+        first = runs["offset"].astype(np.int64) // items
+        pages = expand_runs(first, counts)
+        # (buffer, page) as one index into the flattened (C-contiguous) arrays: cheaper than 2-D
+        # fancy indexing on this per-frame path
+        one_buffer = self.layout.num_buffers == 1
+        flat = pages if one_buffer else np.repeat(buffers, counts) * self.layout.num_pages + pages
+        covered = self._covered_flat
+        window.duplicate_items += int(np.count_nonzero(covered[flat]))
+        covered[flat] = True
+        summed = self._summed_flat
+        if sums is not None and len(sums) == len(pages):
+            self._item_sum_flat[flat] = sums
+            summed[flat] = True
+        else:
+            summed[flat] = False
+        # a page is WRITTEN once covered in every buffer; with one buffer every page just recorded
+        # is (mark_written moves only this generation's RESERVED pages and ignores repeats)
+        full = pages if one_buffer else pages[self.covered[:, pages].all(axis=0)]
+        self.ledger.mark_written(full, window.gen)
+        nbytes = total(lengths)
+        window.bytes_landed += nbytes
+        window.writes_landed += len(runs)
+        self.landed_bytes += nbytes
+        self.landed_writes += len(runs)
 
     def _record_slice(self, window: Window, runs: np.ndarray, located: Any) -> None:
         assert window.table is not None

@@ -244,11 +244,13 @@ class ControlPlane:
             return out
         # ZMQ_EVENTS says whether another message waits: reading until zmq.Again raised an exception
         # at the end of every batch, which cold cost more than the read (twice per request).
-        while self._router.get(zmq.EVENTS) & zmq.POLLIN:
+        while True:
             try:
+                if not self._router.get(zmq.EVENTS) & zmq.POLLIN:
+                    break
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:  # zmq.Again included: nothing after all
-                return out
+            except zmq.ZMQError:  # zmq.Again included, or the socket closing: nothing more now
+                break
             self.received += 1
             identity = frames[0].bytes.decode("utf-8", "replace") if frames else "?"
             if self.keyring is not None and not self._authenticated(identity, frames[-1]):

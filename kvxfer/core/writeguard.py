@@ -219,24 +219,21 @@ class WriteGuard:
                 rid=window.rid,
                 generation=gen,
             )
-        if window.table is None and len(runs) <= FEW_PAGES:
+        if window.table is None:
             counts = self._accept_few(window, runs)
             if counts is not None:
                 return window, counts
         return window, self._check_runs(window, runs)
 
-    def _accept_few(self, window: Window, runs: np.ndarray) -> np.ndarray | None:
-        """The per-run page counts of a write of whole pages that passes every rule of :meth:`_check_runs`
-        (in range, aligned, in pages the window's owner holds writable), checked page by page with
-        Python integers; None when a rule fails or the write covers more than :data:`FEW_PAGES` pages,
-        and :meth:`_check_runs` decides (and names the reason). It only ever accepts less."""
-        if runs.dtype != RUN_DTYPE:
+    def _few_spans(self, runs: np.ndarray) -> list[tuple[int, int, int]] | None:
+        """A short run table as ``(buffer, first page, page count)`` per run, in Python integers, when
+        every run is whole pages of a buffer of the layout inside the pool and all of them together are
+        at most :data:`FEW_PAGES` pages; None otherwise (the vectorised code then takes the write)."""
+        if len(runs) > FEW_PAGES or runs.dtype != RUN_DTYPE:
             return None
-        items = self._item_lens
-        num_pages = self.layout.num_pages
-        state, stamps, owner = self.ledger.state, self.ledger.generation, window.owner_gen
+        items, num_pages = self._item_lens, self.layout.num_pages
         left = FEW_PAGES
-        counts = []
+        spans = []
         for buffer, _flags, offset, length in runs.tolist():
             if buffer >= len(items) or length <= 0:
                 return None
@@ -247,11 +244,23 @@ class WriteGuard:
             left -= count
             if left < 0 or first + count > num_pages:
                 return None
+            spans.append((buffer, first, count))
+        return spans
+
+    def _accept_few(self, window: Window, runs: np.ndarray) -> np.ndarray | None:
+        """The per-run page counts of a write of whole pages that passes every rule of :meth:`_check_runs`
+        (in range, aligned, in pages the window's owner holds writable), checked page by page with
+        Python integers; None when a rule fails or the write is not a few pages (:meth:`_few_spans`),
+        and :meth:`_check_runs` decides (and names the reason). It only ever accepts less."""
+        spans = self._few_spans(runs)
+        if spans is None:
+            return None
+        state, stamps, owner = self.ledger.state, self.ledger.generation, window.owner_gen
+        for _buffer, first, count in spans:
             for page in range(first, first + count):
                 if state.item(page) not in _WRITABLE_VALUES or stamps.item(page) != owner:
                     return None
-            counts.append(count)
-        return np.array(counts, dtype=np.int64)
+        return np.array([count for _buffer, _first, count in spans], dtype=np.int64)
 
     def _check_runs(self, window: Window, runs: np.ndarray) -> np.ndarray:
         """Per-run page counts of a write inside ``window`` (slot and connection already checked), or
@@ -324,26 +333,20 @@ class WriteGuard:
         with self.lock:
             if window.table is not None:
                 self._record_slice(window, runs, counts)
-            elif not (len(runs) <= FEW_PAGES and runs.dtype == RUN_DTYPE and self._record_few(window, runs, sums)):
+            elif not self._record_few(window, runs, sums):
                 self._record_runs(window, runs, counts, sums)
 
     def _record_few(self, window: Window, runs: np.ndarray, sums: np.ndarray | None) -> bool:
-        """:meth:`_record_runs` for a write of at most :data:`FEW_PAGES` whole pages, page by page with
-        Python integers (as :meth:`_accept_few` checks them); False, recording nothing, for a longer one."""
-        items, num_pages = self._item_lens, self.layout.num_pages
-        spans = []
-        nbytes = pages = 0
-        for buffer, _flags, offset, length in runs.tolist():
-            item = items[buffer]
-            spans.append((buffer * num_pages, offset // item, length // item))
-            nbytes += length
-            pages += length // item
-        if pages > FEW_PAGES:
+        """:meth:`_record_runs` for a write of a few whole pages (:meth:`_few_spans`), page by page with
+        Python integers; False, recording nothing, for any other."""
+        spans = self._few_spans(runs)
+        if spans is None:
             return False
-        sums_of = sums.tolist() if sums is not None and len(sums) == pages else None
+        num_pages, buffers = self.layout.num_pages, len(self._item_lens)
+        touched = [page for _buffer, first, count in spans for page in range(first, first + count)]
+        at = [buffer * num_pages + page for buffer, first, count in spans for page in range(first, first + count)]
+        sums_of = sums.tolist() if sums is not None and len(sums) == len(at) else None
         covered, summed, item_sum = self._covered_flat, self._summed_flat, self._item_sum_flat
-        touched = [page for _, first, count in spans for page in range(first, first + count)]
-        at = [base + page for base, first, count in spans for page in range(first, first + count)]
         duplicates = sum(covered.item(i) for i in at)  # covered before this write, as _record_runs counts
         for k, i in enumerate(at):
             covered[i] = True
@@ -352,9 +355,10 @@ class WriteGuard:
             else:
                 item_sum[i] = sums_of[k]
                 summed[i] = True
-        if len(items) > 1:  # WRITTEN once covered in every buffer
-            touched = [p for p in dict.fromkeys(touched) if all(covered.item(b * num_pages + p) for b in range(len(items)))]
+        if buffers > 1:  # WRITTEN once covered in every buffer
+            touched = [p for p in dict.fromkeys(touched) if all(covered.item(b * num_pages + p) for b in range(buffers))]
         self.ledger.mark_written(touched, window.gen)
+        nbytes = sum(count * self._item_lens[buffer] for buffer, _first, count in spans)
         window.duplicate_items += duplicates
         window.bytes_landed += nbytes
         window.writes_landed += len(spans)

@@ -7,9 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 
+from kvxfer.core import native
+from kvxfer.tools import procs
 from kvxfer.tools.bench import BenchConfig, PeerSession, Unavailable, _run_rounds
 
 from .conftest import wait_for
@@ -23,13 +26,14 @@ def test_bench_reports_cases_and_ratios(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--total", "16M", "--request-bytes", "4M",
                            "--page-bytes", "64K", "--page-bytes", "4K", "--total-small", "4M", "--repeat", "2",
-                           "--baselines", "raw-socket,mooncake-tcp,nixl-ucx-tcp", "--json", str(out)],
+                           "--baselines", "raw-socket,native-stream,mooncake-tcp,nixl-ucx-tcp", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     cases = {(c["transport"], c["page_bytes"], c["checks"]): c for c in report["cases"]}
     for page in (65536, 4096):
-        for key in (("kvxfer-tcp", page, "on"), ("kvxfer-tcp", page, "off"), ("raw-socket", page, "off")):
+        stream = [("native-stream", page, "on"), ("native-stream", page, "off")] if native.checksums_in_c else []
+        for key in (("kvxfer-tcp", page, "on"), ("kvxfer-tcp", page, "off"), ("raw-socket", page, "off"), *stream):
             case = cases[key]
             assert not case["error"], case
             assert case["gbps"] > 0 and case["pages_per_s"] > 0 and case["seconds"] > 0 and case["bytes"] > 0
@@ -42,9 +46,18 @@ def test_bench_reports_cases_and_ratios(tmp_path):
             assert f"checks {checks}: per-request latency (admit to READABLE, 4 MiB requests) p50" in proc.stdout
     against = {(r["page_bytes"], r["against"]) for r in report["ratios"]}
     assert (65536, "raw-socket") in against and (4096, "kvxfer-tcp checks off") in against
+    # the native stream runs with checks on and off like kvxfer: its own on/off is the machine's ceiling
+    own = {(r["case"], r["page_bytes"], r["against"]) for r in report["ratios"]}
+    skipped = {s["case"]: s["reason"] for s in report["skipped"]}
+    if not native.checksums_in_c:  # the C extension or zlib-ng missing: skipped, saying which
+        assert skipped["native-stream"].startswith("not available (")
+    for page in (65536, 4096) if native.checksums_in_c else ():
+        assert ("native-stream", page, "native-stream checks off") in own
+        assert ("kvxfer-tcp", page, "native-stream checks on") in own
+        assert ("kvxfer-tcp", page, "native-stream checks off") in own
+    assert "native-stream (checks on) / native-stream checks off at 4,096 B" in proc.stdout or not native.checksums_in_c
     assert all(r["rounds"] == 2 for r in report["ratios"])
     # a peer that is not installed: one line naming what to install, no row, no ratio, "skipped" in the JSON
-    skipped = {s["case"]: s["reason"] for s in report["skipped"]}
     for name, (module, install) in INSTALL.items():
         if importlib.util.find_spec(module) is not None:
             continue
@@ -53,6 +66,31 @@ def test_bench_reports_cases_and_ratios(tmp_path):
         assert not any(c["transport"] == name for c in report["cases"])
         assert not any(r["against"] == name for r in report["ratios"])
     assert "0.000" not in proc.stdout and "Error" not in proc.stdout
+
+
+@pytest.mark.skipif(not native.checksums_in_c, reason=f"native-stream needs it: {native.describe()}")
+@pytest.mark.parametrize("honest", [True, False])
+def test_native_stream_target_compares_the_senders_sums(honest):
+    """The checks-on native stream is a real check, not a second copy of the bytes: its target lands
+    the pages, sums them, reads the sender's sums and answers ``x`` when one differs."""
+    import socket
+
+    import numpy as np
+
+    target = procs.popen([sys.executable, "-m", "kvxfer.tools.bench.peers", "native-stream", "target", "4", "4096",
+                          "8", json.dumps({"checks": "on"})], stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(target.stdout.readline())
+        assert ready["ready"] and ready["checks"] == "on"
+        pages = np.random.default_rng(5).integers(0, 256, (4, 4096), dtype=np.uint8)
+        sums = b"".join(zlib.adler32(page.tobytes()).to_bytes(4, "little") for page in pages)
+        if not honest:
+            sums = sums[:4] + bytes([sums[4] ^ 1]) + sums[5:]  # the second page's sum, one bit off
+        with socket.create_connection(("127.0.0.1", ready["port"]), timeout=30) as sock:
+            sock.sendall(pages.tobytes() + sums)
+            assert sock.recv(1) == (b"k" if honest else b"x")
+    finally:
+        procs.stop(target, grace=5.0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is not None, reason="mooncake is installed here")

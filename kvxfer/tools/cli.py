@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=5, help="repetitions per case; the median is reported")
     bench.add_argument("--checks", default="both", choices=["on", "off", "both"],
                        help="kvxfer with its checksums on, off, or both as two cases")
-    bench.add_argument("--baselines", help="comma list: raw-socket,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
+    bench.add_argument("--baselines", help="comma list: raw-socket,native-stream,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
                        "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport)")
     bench.add_argument("--compare-windows", action="store_true",
                        help="verbs: run kvxfer with memory windows on and off (each against ib_write_bw)")

@@ -4,7 +4,9 @@ Each case moves the same bytes (default 1 GiB on tcp) as pages of a given size b
 processes, destination pages allocated at random so they are scattered across the decode pool,
 ``--repeat`` times; the table reports the median and the spread. Baselines are cases of their own:
 ``ib_write_bw`` on the same device for verbs; the plain two-process socket stream and, when
-installed, Mooncake's and NIXL's TCP paths for tcp; a single-threaded scattered memcpy of the same
+installed, Mooncake's and NIXL's TCP paths for tcp, and ``native-stream`` (kvxfer's own C send and
+receive calls with no protocol, checks on and off: what summing costs this machine without the rest of
+kvxfer); a single-threaded scattered memcpy of the same
 pages for shm (:mod:`.baselines`). A baseline that is not installed gets one line saying what to
 install, no row and no ratio, and is listed under ``skipped`` in the JSON. ``--tp P:1`` adds, per page
 size and checks setting, the same transfer with prefill TP ``P`` into decode TP 1 (:mod:`.tp`), reported
@@ -116,7 +118,8 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
 
 
 def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:
-    """kvxfer (checks on) against every other case of the same page size; an unequal-TP case
+    """kvxfer (checks on) against every other case of the same page size, a baseline with checks
+    (``native-stream``) against its own checks off; an unequal-TP case
     (``--tp``) only against the equal-TP case of its page size and checks (``unequal_tp`` set).
 
     The ratio is the median over rounds of the per-round speed ratio: both cases ran in the same
@@ -129,24 +132,31 @@ def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:
         equal = by.get((r.extra["equal_case"], page, checks))
         if equal is not None:
             out.append(_unequal_ratio(r, equal))
+    with_checks = {t for (t, _p, c) in by if c == "on"}  # cases run with checks on and off: name the setting
     for (transport, page, checks), r in by.items():
-        if not transport.startswith("kvxfer") or checks != "on":
+        if checks != "on":
             continue
         for (other_t, other_p, other_c), o in by.items():
             if other_p != page or (other_t, other_c) == (transport, checks):
                 continue
-            label = other_t if other_t != transport else f"{other_t} checks {other_c}"
-            of_medians = r.gbps / o.gbps if o.gbps else 0.0
-            paired = [(o_s / o.bytes) / (r_s / r.bytes) for r_s, o_s in zip(r.runs, o.runs) if r_s and o_s]
-            # rounded once, before anything prints it, so the text and the JSON never disagree
-            ratio = round(statistics.median(paired) if paired else of_medians, 3)
-            pps = ratio * (o.page_bytes / r.page_bytes)
-            out.append({"case": transport, "page_bytes": page, "against": label, "gbps_ratio": round(ratio, 3),
-                        "pages_per_s_ratio": round(pps, 3), "ratio_of_medians": round(of_medians, 3),
-                        "rounds": len(paired),
-                        "text": f"{transport} (checks on) / {label} at {page:,} B: {ratio:.2f}x "
-                                f"(median of {len(paired)} paired rounds; ratio of medians {of_medians:.2f}x)"})
+            # kvxfer against every case; a baseline that has checks (native-stream) against its own checks off
+            if not transport.startswith("kvxfer") and other_t != transport:
+                continue
+            out.append(_paired_ratio(r, o, f"{other_t} checks {other_c}" if other_t in with_checks else other_t))
     return out
+
+
+def _paired_ratio(r: CaseResult, o: CaseResult, label: str) -> dict[str, Any]:
+    """``r`` (checks on) against ``o``, paired by round."""
+    of_medians = r.gbps / o.gbps if o.gbps else 0.0
+    paired = [(o_s / o.bytes) / (r_s / r.bytes) for r_s, o_s in zip(r.runs, o.runs) if r_s and o_s]
+    # rounded once, before anything prints it, so the text and the JSON never disagree
+    ratio = round(statistics.median(paired) if paired else of_medians, 3)
+    pps = ratio * (o.page_bytes / r.page_bytes)
+    return {"case": r.transport, "page_bytes": r.page_bytes, "against": label, "gbps_ratio": round(ratio, 3),
+            "pages_per_s_ratio": round(pps, 3), "ratio_of_medians": round(of_medians, 3), "rounds": len(paired),
+            "text": f"{r.transport} (checks on) / {label} at {r.page_bytes:,} B: {ratio:.2f}x "
+                    f"(median of {len(paired)} paired rounds; ratio of medians {of_medians:.2f}x)"}
 
 
 def _unequal_ratio(r: CaseResult, equal: CaseResult) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Each runner moves the same bytes the same way as far as its tool allows and returns a
 :class:`~kvxfer.tools.bench.cases.CaseResult` named by its ``transport`` field (``ib_write_bw``,
-``raw-socket``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``, ``two-copy-memcpy``). A runner whose tool is not
+``raw-socket``, ``native-stream``, ``mooncake-tcp``, ``nixl-ucx-tcp``, ``scattered-memcpy``, ``two-copy-memcpy``). A runner whose tool is not
 installed is skipped before anything starts: :meth:`Runner.missing` names what to install, and the
 bench prints that in one line and records it under ``skipped`` in its JSON, with no row or ratio.
 ``ib_write_bw`` runs under :func:`kvxfer.tools.procs.popen_foreign`: it dies with the bench.
@@ -37,8 +37,11 @@ class Runner:
     module: str = ""   # a Python package it needs (found without importing it)
     binary: str = ""   # or a program it needs on PATH
     install: str = ""  # how to get it
+    checks: bool = False  # runs once per checks setting of the bench, as kvxfer does (native-stream)
 
-    def session(self, config: BenchConfig, page_bytes: int) -> Any:
+    def session(self, config: BenchConfig, page_bytes: int, checks: str = "off") -> Any:
+        if self.checks:
+            return self.session_cls(self.name, config, page_bytes, checks)
         return self.session_cls(self.name, config, page_bytes)
 
     def missing(self) -> str | None:
@@ -188,6 +191,7 @@ def _parse_perftest(text: str) -> float | None:
 
 RUNNERS: dict[str, Runner] = {
     "raw-socket": Runner("raw-socket", ("tcp",), PeerSession),
+    "native-stream": Runner("native-stream", ("tcp",), PeerSession, checks=True),
     "mooncake-tcp": Runner("mooncake-tcp", ("tcp",), PeerSession, module="mooncake",
                            install="pip install mooncake-transfer-engine-non-cuda"),
     "nixl-ucx-tcp": Runner("nixl-ucx-tcp", ("tcp",), PeerSession, module="nixl_cu12",

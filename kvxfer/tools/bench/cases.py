@@ -47,8 +47,9 @@ class BenchConfig:
     concurrency: int = 4
     repeat: int = 5
     checks: str = "both"  # on, off, both
-    baselines: list[str] = field(default_factory=lambda: ["raw-socket", "mooncake-tcp", "nixl-ucx-tcp", "ib_write_bw",
-                                                          "scattered-memcpy", "two-copy-memcpy"])
+    baselines: list[str] = field(default_factory=lambda: ["raw-socket", "native-stream", "mooncake-tcp",
+                                                          "nixl-ucx-tcp", "ib_write_bw", "scattered-memcpy",
+                                                          "two-copy-memcpy"])
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
     compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
@@ -281,10 +282,10 @@ class PeerSession(Session):
     with NIXL installed, kvxfer's 64 KiB rounds in the same run fell from ~3.8 to ~2.1 GB/s. A
     stopped process still dies with the bench (a fatal signal ends a stopped process)."""
 
-    def __init__(self, name: str, config: BenchConfig, page_bytes: int) -> None:
+    def __init__(self, name: str, config: BenchConfig, page_bytes: int, checks: str = "off") -> None:
         pages, _per, _req, pool_pages = _geometry(config, page_bytes)
         super().__init__(CaseResult(transport=name, page_bytes=page_bytes, bytes=pages * page_bytes,
-                                    seconds=0.0, checks="off"))
+                                    seconds=0.0, checks=checks))
         self.args = [name, str(pages), str(page_bytes), str(pool_pages)]
         self.config = config
         self.procs: list[Any] = []
@@ -325,8 +326,12 @@ class PeerSession(Session):
                 except ValueError:
                     continue
 
+    def target_options(self) -> list[str]:
+        """Extra arguments of the target process (``native-stream``: its checks setting as JSON)."""
+        return [json.dumps({"checks": self.result.checks})] if self.result.checks == "on" else []
+
     def start(self) -> None:
-        self.target, info = self._spawn("target")
+        self.target, info = self._spawn("target", *self.target_options())
         info.update(request_pages=self.request_pages, concurrency=self.concurrency)
         self.initiator, _ = self._spawn("initiator", json.dumps(info))
         self._park(True)

@@ -1,4 +1,4 @@
-"""Baseline and peer processes for ``kvxfer bench``: a raw socket pair, Mooncake TCP, NIXL UCX tcp.
+"""Baseline and peer processes for ``kvxfer bench``: a raw socket pair, a native stream, Mooncake TCP, NIXL UCX tcp.
 
 Each runs as two processes, a *target* that owns the destination pool and an *initiator* that
 owns the source pool and moves ``pages`` pages of ``page_bytes`` from random source pages to random
@@ -10,7 +10,15 @@ stdin/stdout, one JSON object per line:
 * the initiator is started with the target's line, prints ``{"ready": true}``, then for every
   ``go`` line moves the pages and prints ``{"seconds": S}``.
 
-Run: ``python -m kvxfer.tools.bench.peers PEER ROLE PAGES PAGE_BYTES POOL_PAGES [TARGET_JSON]``.
+``native-stream`` is the ceiling of kvxfer's own tcp data path: the same C calls kvxfer's tcp transport
+makes (gather ``sendmsg`` of 1 MiB groups, ``readv`` of 64 KiB into scattered pages) with no protocol,
+and with checks on the same Adler-32 of every page on both sides (the sender right after each group
+went to the kernel, the receiver right after each group landed) and a comparison of the two; it runs
+once per checks setting, so its own checks on/off ratio is what summing costs this machine without
+anything else of kvxfer's.
+
+Run: ``python -m kvxfer.tools.bench.peers PEER ROLE PAGES PAGE_BYTES POOL_PAGES [OPTIONS_JSON]``
+(a target's options: ``{"checks": "on"}`` for native-stream; an initiator's: the target's ready line).
 Mooncake (``mooncake-transfer-engine-non-cuda``) and NIXL (``nixl-cu12 --no-deps``, with
 ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` and its initiator progress thread off, the best setting
 measured here) are optional; a missing one exits with a one-line reason (``unavailable``: what to
@@ -108,6 +116,93 @@ def raw_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str
             sock.sendmsg([HEADER.pack(i, index), memoryview(pool[index])])
         sock.recv(1)  # the target has every byte
         _say({"seconds": time.perf_counter() - start})
+    sock.close()
+
+
+# native stream -----------------------------------------------------------------------------------
+
+ADLER32 = 0  # the native module's algorithm number for Adler-32, its initial value 1
+
+
+def _native_lib() -> Any:
+    """kvxfer's C extension with zlib-ng's checksums loaded, or exit saying what is missing."""
+    from ...core import native
+
+    if not native.provides("send_runs", "send_runs_summed", "recv_runs", "recv_runs_summed") \
+            or not native.checksums_in_c:
+        _say({"error": f"native-stream needs kvxfer's C extension with zlib-ng: {native.describe()}",
+              "unavailable": f"not available ({native.describe()})"})
+        sys.exit(3)
+    return native.lib
+
+
+def _page_runs(pool: np.ndarray, picks: np.ndarray) -> tuple[bytes, bytes]:
+    """Addresses and lengths (uint64 bytes) of the picked pages of ``pool``, in pick order."""
+    page_bytes = pool.shape[1]
+    addresses = np.uint64(pool.ctypes.data) + picks.astype(np.uint64) * np.uint64(page_bytes)
+    return addresses.tobytes(), np.full(len(picks), page_bytes, dtype=np.uint64).tobytes()
+
+
+def native_target(pages: int, page_bytes: int, pool_pages: int, options: dict[str, Any] | None = None) -> None:
+    """Lands each round's pages at random pool pages with ``recv_runs`` (checks off) or
+    ``recv_runs_summed`` (on; then reads the initiator's sums and compares), answers ``k`` (or ``x``:
+    a page's sums differ) when the round is in."""
+    lib = _native_lib()
+    checks = (options or {}).get("checks", "off")
+    checked = checks == "on"
+    pool = _pool(pool_pages, page_bytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    _say({"ready": True, "port": server.getsockname()[1], "checks": checks})
+    conn, _ = server.accept()
+    rng = np.random.default_rng(1)
+    sent_sums = bytearray(4 * pages)
+    try:
+        while True:
+            addresses, lengths = _page_runs(pool, _picks(rng, pool_pages, pages))
+            if not checked:
+                lib.recv_runs(conn.fileno(), addresses, lengths)
+                conn.sendall(b"k")
+                continue
+            sums = lib.recv_runs_summed(conn.fileno(), addresses, lengths, lengths, ADLER32, 1,
+                                        lib.RECV_GROUP)
+            view, got = memoryview(sent_sums), 0
+            while got < len(sent_sums):
+                n = conn.recv_into(view[got:])
+                if not n:
+                    raise ConnectionError("initiator closed")
+                got += n
+            conn.sendall(b"k" if sums == bytes(sent_sums) else b"x")
+    except ConnectionError:
+        return
+
+
+def native_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[str, Any]) -> None:
+    """Sends each round's pages from random pool pages with ``send_runs`` (checks off) or
+    ``send_runs_summed`` followed by the sums (on), then waits for the target's answer."""
+    lib = _native_lib()
+    checked = target.get("checks") == "on"
+    pool = _pool(pool_pages, page_bytes)
+    pool[:] = (np.arange(page_bytes) % 251).astype(np.uint8)  # not zeros, and every page its own index:
+    pool[:, :8] = np.arange(pool_pages, dtype=np.uint64).view(np.uint8).reshape(pool_pages, 8)  # sums differ
+    sock = socket.create_connection(("127.0.0.1", target["port"]))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rng = np.random.default_rng(2)
+    _say({"ready": True})
+    for _ in _commands():
+        addresses, lengths = _page_runs(pool, _picks(rng, pool_pages, pages))
+        start = time.perf_counter()
+        if checked:
+            sums = lib.send_runs_summed(sock.fileno(), b"", addresses, lengths, lengths, ADLER32, 1, lib.SEND_GROUP)
+            sock.sendall(sums)
+        else:
+            lib.send_runs(sock.fileno(), b"", addresses, lengths)
+        answer = sock.recv(1)
+        seconds = time.perf_counter() - start
+        if answer != b"k":
+            _say({"error": "native-stream: the target's page checksums differ from the sender's"
+                  if answer == b"x" else "native-stream: the target closed the connection"})
+            sys.exit(4)
+        _say({"seconds": seconds})
     sock.close()
 
 
@@ -275,6 +370,8 @@ def nixl_initiator(pages: int, page_bytes: int, pool_pages: int, target: dict[st
 ROLES = {
     ("raw-socket", "target"): raw_target,
     ("raw-socket", "initiator"): raw_initiator,
+    ("native-stream", "target"): native_target,
+    ("native-stream", "initiator"): native_initiator,
     ("mooncake-tcp", "target"): mooncake_target,
     ("mooncake-tcp", "initiator"): mooncake_initiator,
     ("nixl-ucx-tcp", "target"): nixl_target,
@@ -286,7 +383,4 @@ if __name__ == "__main__":
     peer, role = sys.argv[1], sys.argv[2]
     pages, page_bytes, pool_pages = map(int, sys.argv[3:6])
     fn = ROLES[(peer, role)]
-    if role == "target":
-        fn(pages, page_bytes, pool_pages)
-    else:
-        fn(pages, page_bytes, pool_pages, json.loads(sys.argv[6]))
+    fn(pages, page_bytes, pool_pages, *(json.loads(arg) for arg in sys.argv[6:7]))

@@ -40,7 +40,8 @@ def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
     for name in config.baselines:
         runner = baselines.RUNNERS.get(name)
         if runner is not None and config.transport in runner.transports and name not in (skip or {}):
-            out.append(runner.session(config, page_bytes))
+            out += [runner.session(config, page_bytes, c) for c in checks] if runner.checks \
+                else [runner.session(config, page_bytes)]
     return out
 
 
@@ -62,7 +63,7 @@ def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], r
             results.append(session.result)
             session.result.error = f"{type(exc).__name__}: {exc}"
             session.close()
-    console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + ('' if s.result.checks == 'off' or not s.result.transport.startswith('kvxfer') else ' (checks on)') for s in live)}; {config.repeat} rounds")
+    console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + (' (checks on)' if s.result.checks == 'on' else '') for s in live)}; {config.repeat} rounds")
     for round_no in range(config.repeat + 1):
         shift = round_no % max(1, len(live))
         for session in live[shift:] + live[:shift]:

@@ -10,7 +10,11 @@ Checks, on random data that is never zero:
   3. dma-buf export of a torch allocation (cuMemGetHandleForAddressRange), and RDMA registration of
      it when the machine has an RDMA device;
   4. the tcp transport moving CUDA pages between two processes, verified on both sides;
-  5. zero and poison scrubbing of freed pages on the GPU.
+  5. zero and poison scrubbing of freed pages on the GPU;
+  6. layer-wise sends behind CUDA ready events (issue 26): each layer's pages are written by work
+     still queued on a stream when its send is posted (a spin of ~60 ms, then the copy of the
+     layer's final bytes), last layer first; the decode must hold the final bytes, verified, and the
+     posting caller must not have waited for the GPU. Needs torch.
 Needs: the CUDA driver, cuda-python, numpy and kvxfer's own dependencies; torch is used when present
 (else device memory comes from cuMemAlloc). Prints a table; exit status 0 when every check held.
 """
@@ -197,10 +201,10 @@ def check_dmabuf() -> None:
 # 4. tcp between two processes ----------------------------------------------------------------------
 
 
-def _decode_process(conn) -> None:
+def _decode_process(conn, nbuffers: int = 2) -> None:
     from kvxfer import DecodeEngine, EngineConfig
 
-    buffers = [DeviceBuffer(256 * 16384) for _ in range(2)]
+    buffers = [DeviceBuffer(256 * 16384) for _ in range(nbuffers)]
     for b in buffers:
         b.fill_random(seed=99)  # stale data the transfer must overwrite
     layout = layout_over(buffers, 256)
@@ -301,6 +305,89 @@ def check_scrub() -> None:
         b.close()
 
 
+def _answer(conn, what: str, timeout: float = 120.0):
+    """The decode process's next message, or an error naming what did not come."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the decode process sent no {what} within {timeout:g} s")
+    return conn.recv()
+
+
+# 6. layer-wise sends behind CUDA events ---------------------------------------------------------------
+
+SPIN_CYCLES = 100_000_000  # torch.cuda._sleep: ~60 ms at an H100's or H200's ~1.7 GHz
+
+
+def check_layerwise_ready_events() -> None:
+    """A prefill computing layer by layer posts each layer's send with the layer's own CUDA event while
+    the stream still has that layer's work queued (a spin, then the copy of the layer's final bytes
+    over stale ones). A transport that read a layer before its event completed would send the stale
+    bytes, consistently checksummed: the decode would turn READABLE with the wrong KV. So the check
+    compares the decode's checksum with the final bytes' (computed on the CPU), and that posting took
+    a fraction of the queued GPU time (the caller did not synchronize)."""
+    name = "layer-wise sends behind CUDA ready events"
+    try:
+        import torch
+    except ImportError:
+        record(name, False, "needs torch (torch.cuda.Event, torch.cuda._sleep) on the GPU machine")
+        return
+    from kvxfer import EngineConfig, PrefillEngine
+    from kvxfer.core.checksum import checksum_pages
+
+    layers, pages, request_pages = 4, 128, 96
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_process, args=(child, layers), daemon=True)
+    proc.start()
+    buffers = [DeviceBuffer(pages * 16384) for _ in range(layers)]
+    layout = layout_over(buffers, pages)
+    try:
+        with PrefillEngine(layout, EngineConfig(max_context=pages * PAGE_TOKENS)) as prefill:
+            _answer(parent, "address")
+            parent.send(prefill.address)
+            _answer(parent, "peer")
+            rid, tokens = "layerwise", request_pages * PAGE_TOKENS
+            prefill.admit(rid, tokens)
+            finals = [np.random.default_rng(100 + i).integers(1, 256, b.nbytes, dtype=np.uint8)
+                      for i, b in enumerate(buffers)]
+            staged = [torch.from_numpy(f).to("cuda") for f in finals]
+            for b in buffers:
+                b.fill_random(seed=7)  # stale bytes: what a read before the event would send
+            torch.cuda.synchronize()
+            parent.send((rid, tokens))
+            prefill.wait_ready(rid, timeout=60)
+            src = prefill.source_pages(rid)
+            want = checksum_pages(KVLayout.from_arrays([f.reshape(pages, -1) for f in finals], page_size=PAGE_TOKENS),
+                                  src, "adler32")
+            stream = torch.cuda.Stream()
+            started = time.monotonic()
+            with torch.cuda.stream(stream):
+                for layer in reversed(range(layers)):  # any order: the last layer first
+                    torch.cuda._sleep(SPIN_CYCLES)  # the layer's compute, still queued when its send is posted
+                    buffers[layer].tensor.copy_(staged[layer])
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    prefill.send(rid, src, buffers=[layer], ready=event, finish=False)
+            posted = time.monotonic() - started
+            prefill.finish(rid)
+            _got_rid, state, got = _answer(parent, "result")
+            prefill.wait(rid, timeout=60)
+            elapsed = time.monotonic() - started
+            parent.send(None)
+            ok = state == "READABLE" and got == want and posted < elapsed / 2
+            record(name, ok, f"{layers} layers x {request_pages} pages, last first: decode {state}, checksum "
+                   f"{'equal to' if got == want else 'NOT equal to'} the final bytes'; posting took "
+                   f"{1e3 * posted:.1f} ms of {1e3 * elapsed:.1f} ms to READABLE", posted_s=posted, elapsed_s=elapsed)
+    except Exception as exc:
+        record(name, False, f"{type(exc).__name__}: {exc}")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        for b in buffers:
+            b.close()
+
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=2.0, help="bytes timed per speed case (GiB)")
@@ -317,7 +404,8 @@ def main() -> int:
     label = name.split(b"\0")[0].decode()
     print(f"device 0: {label}, CUDA driver {version // 1000}.{version % 1000 // 10}")
     driver.use_device(0)
-    for check in (check_checksums, lambda: check_speed(args.gib), check_dmabuf, check_tcp_two_processes, check_scrub):
+    for check in (check_checksums, lambda: check_speed(args.gib), check_dmabuf, check_tcp_two_processes, check_scrub,
+                  check_layerwise_ready_events):
         try:
             check()
         except Exception as exc:

@@ -22,6 +22,7 @@ Needs: the CUDA driver, cuda-python, numpy and kvxfer's own dependencies; torch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -215,7 +216,10 @@ def _decode_process(conn, nbuffers: int = 2) -> None:
         conn.send(peer)
         results = []
         while True:
-            job = conn.recv()
+            try:
+                job = conn.recv()
+            except EOFError:  # the prefill side ended without saying so (a failed check)
+                break
             if job is None:
                 break
             rid, tokens = job
@@ -229,21 +233,49 @@ def _decode_process(conn, nbuffers: int = 2) -> None:
             decode.release(rid)
 
 
-def check_tcp_two_processes() -> None:
+def _answer(conn, what: str, timeout: float = 120.0):
+    """The decode process's next message, or an error naming what did not come."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the decode process sent no {what} within {timeout:g} s")
+    return conn.recv()
+
+
+@contextlib.contextmanager
+def _prefill_with_decode(nbuffers: int, pages: int):
+    """A prefill engine over ``nbuffers`` CUDA buffers of ``pages`` pages, peered with a decode process
+    (:func:`_decode_process`): yields (prefill, pipe to the decode, buffers, decode address). The decode
+    process is told to end (or killed) and the buffers freed when the block ends, however it ends."""
     from kvxfer import EngineConfig, PrefillEngine
-    from kvxfer.core.checksum import checksum_pages
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_process, args=(child,), daemon=True)
+    proc = ctx.Process(target=_decode_process, args=(child, nbuffers), daemon=True)
     proc.start()
-    buffers = [DeviceBuffer(128 * 16384) for _ in range(2)]
-    layout = layout_over(buffers, 128)
+    buffers: list[DeviceBuffer] = []
     try:
-        with PrefillEngine(layout, EngineConfig(max_context=128 * PAGE_TOKENS)) as prefill:
-            decode_address = parent.recv()
+        buffers = [DeviceBuffer(pages * 16384) for _ in range(nbuffers)]
+        with PrefillEngine(layout_over(buffers, pages), EngineConfig(max_context=pages * PAGE_TOKENS)) as prefill:
+            decode_address = _answer(parent, "address")
             parent.send(prefill.address)
-            parent.recv()
+            _answer(parent, "peer")
+            yield prefill, parent, buffers, decode_address
+            parent.send(None)
+    finally:
+        parent.close()  # a check that failed midway: the decode process sees EOF and ends
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        for b in buffers:
+            b.close()
+
+
+def check_tcp_two_processes() -> None:
+    from kvxfer.core.checksum import checksum_pages
+
+    try:
+        with _prefill_with_decode(2, 128) as (prefill, parent, buffers, decode_address):
+            layout = prefill.layout
             moved, started, ok = 0, time.monotonic(), True
             for i, pages in enumerate((1, 37, 128)):
                 rid = f"g{i}"
@@ -255,23 +287,16 @@ def check_tcp_two_processes() -> None:
                 src = prefill.source_pages(rid)
                 want = checksum_pages(layout, src, "adler32")
                 prefill.send(rid)
-                got_rid, state, got = parent.recv()
+                got_rid, state, got = _answer(parent, "result")
                 prefill.wait(rid, timeout=60)
                 ok &= state == "READABLE" and got == want
                 moved += layout.bytes_for_pages(pages)
             seconds = time.monotonic() - started
-            parent.send(None)
-            record("tcp between two processes, CUDA pages", ok,
-                   f"3 requests, {moved / 2**20:.1f} MiB, verified on decode (checksums equal) in {seconds:.2f} s; "
-                   f"decode at {decode_address}")
+        record("tcp between two processes, CUDA pages", ok,
+               f"3 requests, {moved / 2**20:.1f} MiB, verified on decode (checksums equal) in {seconds:.2f} s; "
+               f"decode at {decode_address}")
     except Exception as exc:
         record("tcp between two processes, CUDA pages", False, f"{type(exc).__name__}: {exc}")
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        for b in buffers:
-            b.close()
 
 
 # 5. scrubbing ---------------------------------------------------------------------------------------------
@@ -305,13 +330,6 @@ def check_scrub() -> None:
         b.close()
 
 
-def _answer(conn, what: str, timeout: float = 120.0):
-    """The decode process's next message, or an error naming what did not come."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"the decode process sent no {what} within {timeout:g} s")
-    return conn.recv()
-
-
 # 6. layer-wise sends behind CUDA events ---------------------------------------------------------------
 
 SPIN_CYCLES = 100_000_000  # torch.cuda._sleep: ~60 ms at an H100's or H200's ~1.7 GHz
@@ -330,21 +348,11 @@ def check_layerwise_ready_events() -> None:
     except ImportError:
         record(name, False, "needs torch (torch.cuda.Event, torch.cuda._sleep) on the GPU machine")
         return
-    from kvxfer import EngineConfig, PrefillEngine
     from kvxfer.core.checksum import checksum_pages
 
     layers, pages, request_pages = 4, 128, 96
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_process, args=(child, layers), daemon=True)
-    proc.start()
-    buffers = [DeviceBuffer(pages * 16384) for _ in range(layers)]
-    layout = layout_over(buffers, pages)
     try:
-        with PrefillEngine(layout, EngineConfig(max_context=pages * PAGE_TOKENS)) as prefill:
-            _answer(parent, "address")
-            parent.send(prefill.address)
-            _answer(parent, "peer")
+        with _prefill_with_decode(layers, pages) as (prefill, parent, buffers, _address):
             rid, tokens = "layerwise", request_pages * PAGE_TOKENS
             prefill.admit(rid, tokens)
             finals = [np.random.default_rng(100 + i).integers(1, 256, b.nbytes, dtype=np.uint8)
@@ -372,20 +380,12 @@ def check_layerwise_ready_events() -> None:
             _got_rid, state, got = _answer(parent, "result")
             prefill.wait(rid, timeout=60)
             elapsed = time.monotonic() - started
-            parent.send(None)
-            ok = state == "READABLE" and got == want and posted < elapsed / 2
-            record(name, ok, f"{layers} layers x {request_pages} pages, last first: decode {state}, checksum "
-                   f"{'equal to' if got == want else 'NOT equal to'} the final bytes'; posting took "
-                   f"{1e3 * posted:.1f} ms of {1e3 * elapsed:.1f} ms to READABLE", posted_s=posted, elapsed_s=elapsed)
+        ok = state == "READABLE" and got == want and posted < elapsed / 2
+        record(name, ok, f"{layers} layers x {request_pages} pages, last first: decode {state}, checksum "
+               f"{'equal to' if got == want else 'NOT equal to'} the final bytes'; posting took "
+               f"{1e3 * posted:.1f} ms of {1e3 * elapsed:.1f} ms to READABLE", posted_s=posted, elapsed_s=elapsed)
     except Exception as exc:
         record(name, False, f"{type(exc).__name__}: {exc}")
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        for b in buffers:
-            b.close()
-
 
 
 def main() -> int:

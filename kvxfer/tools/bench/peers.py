@@ -147,6 +147,8 @@ def native_target(pages: int, page_bytes: int, pool_pages: int, options: dict[st
     """Lands each round's pages at random pool pages with ``recv_runs`` (checks off) or
     ``recv_runs_summed`` (on; then reads the initiator's sums and compares), answers ``k`` (or ``x``:
     a page's sums differ) when the round is in."""
+    from ...transport.tcp import recv_exact
+
     lib = _native_lib()
     checks = (options or {}).get("checks", "off")
     checked = checks == "on"
@@ -165,12 +167,7 @@ def native_target(pages: int, page_bytes: int, pool_pages: int, options: dict[st
                 continue
             sums = lib.recv_runs_summed(conn.fileno(), addresses, lengths, lengths, ADLER32, 1,
                                         lib.RECV_GROUP)
-            view, got = memoryview(sent_sums), 0
-            while got < len(sent_sums):
-                n = conn.recv_into(view[got:])
-                if not n:
-                    raise ConnectionError("initiator closed")
-                got += n
+            recv_exact(conn, memoryview(sent_sums))
             conn.sendall(b"k" if sums == bytes(sent_sums) else b"x")
     except ConnectionError:
         return

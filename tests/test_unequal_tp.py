@@ -364,3 +364,37 @@ def test_a_leg_whose_writes_were_cancelled_gets_an_abort_not_a_done_claiming_the
     batch.cancelled = True
     msg = done()
     assert isinstance(msg, m.Abort) and msg.gen == 7 and "another of its legs" in msg.detail and built == [True, True]
+
+
+ENDINGS = ["decode_abort", "writer1_abort", "writer1_closes", "transfer_timeout"]
+
+
+@LAYERWISE_TOO
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_writer_whose_done_was_claimed_hears_at_once_when_the_request_fails_for_another(cluster, ending):
+    """Prefill TP 2 into decode TP 1: writer 0 sent everything and its DONE was claimed; then the request
+    fails for writer 1's reason. Writer 0 gets its own RESULT (ok=false) at once and frees its sources,
+    instead of holding them in DONE_SENT until its result_timeout (120 s by default)."""
+    c = cluster(tp_prefill=2, tp_decode=1, decode_config={"transfer_timeout": 1.0, "drain_timeout": 1.0})
+    if ending == "writer1_closes":
+        c.needs("sees_disconnect")  # verbs: a dead writer is found by its silence (test_verbs.py)
+    c.admit("r", 6 * 16)
+    c.fill("r", seed=21)
+    c.prefills[0].send("r")
+    decode = c.decodes[0]
+    wait_for(lambda: decode.status("r").legs[0].state.value == "CLAIMED", what="writer 0's DONE claimed")
+    assert c.prefills[0].status("r").state is S.DONE_SENT
+    if ending == "decode_abort":
+        decode.abort("r")
+    elif ending == "writer1_abort":
+        c.prefills[1].abort("r")
+    elif ending == "writer1_closes":
+        c.prefills[1].close()
+    # transfer_timeout: writer 1 stays silent; the decode gives up after 1 s
+    writer0 = c.prefills[0].wait("r", timeout=8)
+    assert writer0.state is S.FAILED, writer0.state
+    assert writer0.error is not None and writer0.error.reason != "result_timeout", writer0.error
+    assert c.prefills[0].pool.ledger.free_count == c.prefills[0].layout.num_pages  # its sources are free
+    final = decode.wait("r", timeout=8, until=(R.ABORTED, R.FAILED, R.REJECTED))
+    assert final.state in (R.ABORTED, R.FAILED, R.REJECTED)
+    wait_for(lambda: decode.pool.ledger.free_count == decode.layout.num_pages, timeout=8, what="decode pages free")

@@ -22,6 +22,9 @@ Invariants (checked by :meth:`Receiver.check_accounting`):
   its pages or slice, bytes, write log, checksum) and, after all of them, no page holds poison;
 * one leg failing (its connection gone, its writer giving up) stops the others: the request is
   quarantined until each of them proves its drain or is fenced;
+* every leg whose DONE was claimed gets exactly one RESULT: ok or not once every leg verified, or
+  ok=false as soon as the request fails before that (another leg's connection, abort or timeout), so
+  no writer holds its sources waiting for an answer that will not come;
 * a request is ``REJECTED`` before anything is reserved, or (its only writer rejected it) before any write;
 * a leg's transport grant (``grant``: verbs memory windows, whose keys META carries) is revoked
   (``revoke``) when its DONE arrives and, in any case, before the request's pages are freed: a write
@@ -687,8 +690,21 @@ class Receiver:
         if not req.settled:  # other writers may still write: stop them, free the pages when they proved it
             self._quarantine(req, f"{leg.describe()} gave up: {detail}", failure=False)
             return
+        self._answer_claimed(req, reason, f"{leg.describe()} gave up: {detail}")
         req.fsm.to(R.REJECTED if rejected else R.ABORTED, reason)
         self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
+
+    def _answer_claimed(self, req: ReceiveRequest, reason: str, detail: str) -> None:
+        """The request failed before every leg's DONE arrived: a leg whose DONE was already claimed
+        has nothing more to prove (DONE came behind its writes), so it gets its own RESULT now
+        (ok=false) and its writer frees its sources at once, instead of waiting out its
+        ``result_timeout``. Only ever once per leg: a CLAIMED leg is otherwise answered by
+        :meth:`_conclude`, which runs only when every leg's DONE arrived while the request was RESERVED."""
+        for leg in req.legs:
+            if leg.state is LegState.CLAIMED:
+                self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=reason,
+                                              detail=f"request failed before every writer's DONE arrived: "
+                                                     f"{detail}"[:4000]))
 
     def _quarantine(self, req: ReceiveRequest, reason: str, *, failure: bool) -> None:
         """RESERVED -> QUARANTINED: every leg still open is stopped (its window closed, its writer asked
@@ -699,6 +715,7 @@ class Receiver:
         req.fsm.to(R.QUARANTINED, reason)
         req.deadline = self._clock() + self.drain_timeout
         self.stats["quarantined"] += 1
+        self._answer_claimed(req, "timeout" if failure else "aborted", reason)
         for leg in req.legs:
             if leg.state is LegState.OPEN:
                 self.guard.close(leg.gen)
@@ -846,6 +863,7 @@ class Receiver:
                     if not req.settled:
                         self._quarantine(req, f"connection closed: {reason}", failure=True)
                         continue
+                    self._answer_claimed(req, "connection", f"connection closed: {reason}")
                     req.fsm.to(R.FAILED, f"connection closed: {reason}")
                     self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
                     settled.append(req)

@@ -773,7 +773,7 @@ class Sender:
                 self.stats["stale_result"] += 1
                 return
             if not msg.ok:
-                self._fail(req, TransferFailed(f"decode could not verify: {msg.detail}", reason=msg.reason,
+                self._fail(req, TransferFailed(f"decode ended it unverified: {msg.detail}", reason=msg.reason,
                                                rid=req.rid, generation=req.gen), culprit=leg)
                 return
             leg.succeeded = True

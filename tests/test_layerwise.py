@@ -217,3 +217,136 @@ def test_done_can_wait_for_data_computed_after_the_last_layer(engines):
     with pytest.raises(TransferFailed, match="cannot finish in state"):
         pair.prefill.finish("fin")
     pair.decode.release("fin")
+
+
+class _FailingEvent:
+    """A layer's ready event whose compute failed on the device: ``synchronize()`` raises, as a CUDA
+    event does after an illegal memory access, once the test lets it (``fire``)."""
+
+    def __init__(self) -> None:
+        self.fire = threading.Event()
+        self.calls = 0
+
+    def synchronize(self) -> None:
+        self.calls += 1
+        self.fire.wait(10)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("fault_injection", [False, True], ids=["production", "faults"])
+@pytest.mark.parametrize("shape", ["layer", "last_chunk_with_done"])
+def test_a_failing_ready_event_fails_its_request_alone_and_frees_its_sources(engines, fault_injection, shape):
+    """A layer whose readiness fails: that request fails (its writes reported failed, its sources freed,
+    the decode's pages back after the writer's ABORT on the ordered path), and the data connection goes
+    on serving the other requests: the one behind it on the same link completes, and no epoch is lost."""
+    pair = engines(fault_injection=fault_injection)
+    src_bad = _admitted(pair, "bad", 6, seed=12)
+    src_ok = _admitted(pair, "ok", 6, seed=13)
+    epoch = pair.decode.receiver.peers[pair.peer].epoch
+    lost = pair.prefill.counters["connections_lost"]
+    event = _FailingEvent()
+    if shape == "layer":
+        pair.prefill.send("bad", buffers=[0, 1], ready=event)  # layer 0's compute failed on the device
+    else:
+        pair.prefill.send("bad", ready=event)  # the whole request, DONE queued behind its writes
+    pair.prefill.send("ok")  # queued behind it on the same link
+    event.fire.set()
+    bad = pair.prefill.wait("bad", timeout=10)
+    assert bad.state is S.FAILED and bad.error.reason == "source_not_ready", (bad.state, bad.error)
+    assert "illegal memory access" in str(bad.error) and "'bad'" in str(bad.error)
+    assert pair.decode.wait("ok").state is R.READABLE
+    pair.expect_content("ok", src_ok)
+    pair.decode.release("ok")
+    assert pair.prefill.wait("ok").state is S.SUCCEEDED
+    final = pair.decode.wait("bad", timeout=10, until=(R.ABORTED, R.FAILED))
+    assert final.state in (R.ABORTED, R.FAILED)
+    wait_for(lambda: pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages, what="decode pages back")
+    assert pair.prefill.pool.ledger.free_count == pair.prefill.layout.num_pages  # the failed request's sources too
+    assert pair.decode.receiver.peers[pair.peer].epoch == epoch  # the same data connection
+    assert pair.prefill.counters["connections_lost"] == lost
+    with pytest.raises(TransferFailed, match="cannot send in state FAILED"):
+        pair.prefill.send("bad", buffers=[2])
+    assert src_bad.size == 6
+
+
+@pytest.mark.parametrize("ready", [5, "event", object(), b"x"], ids=["int", "str", "object", "bytes"])
+def test_a_ready_that_is_not_an_event_is_refused_at_the_call(engines, ready):
+    pair = engines()
+    _admitted(pair, "r", 4, seed=14)
+    posted = pair.prefill.sender.stats["writes_posted"]
+    with pytest.raises(InvalidArgument, match="ready must be an event") as err:
+        pair.prefill.send("r", buffers=[0], ready=ready)
+    assert "'r'" in str(err.value)
+    assert pair.prefill.sender.stats["writes_posted"] == posted
+    assert pair.prefill.status("r").buffer_sent is None or not pair.prefill.status("r").buffer_sent.any()
+    pair.prefill.send("r")
+    assert pair.decode.wait("r").state is R.READABLE
+    pair.decode.release("r")
+
+
+def test_prefill_accounting_counts_sources_held_by_posted_writes(engines):
+    """check_accounting() on a prefill reports the source pages that ended requests still hold for
+    writes or a DONE the transport has not taken yet, and they go back once it has."""
+    pair = engines()
+    src = _admitted(pair, "held", 5, seed=15)
+    gate = threading.Event()
+    pair.prefill.send("held", ready=gate)  # the transport waits on the event: DONE cannot be built yet
+    assert pair.prefill.status("held").state is S.DONE_SENT
+    pair.prefill.abort("held")  # terminal now; its sources stay held until the transport took them
+    counts = pair.prefill.check_accounting()
+    assert counts["sources_in_flight"] == src.size and counts["writes_in_flight"] > 0
+    assert pair.prefill.pool.ledger.free_count == pair.prefill.layout.num_pages - src.size
+    gate.set()
+    pair.prefill.wait("held")
+    wait_for(lambda: pair.prefill.check_accounting()["sources_in_flight"] == 0, what="sources back")
+    assert pair.prefill.check_accounting()["writes_in_flight"] == 0
+    pair.decode.wait("held", until=(R.READABLE, R.ABORTED, R.FAILED))
+
+
+def test_prefill_accounting_fails_when_a_settled_request_still_holds_sources(engines, monkeypatch):
+    """The checker catches the bug class of a request that ended and drained without its sources going
+    back (simulated: the release step lost)."""
+    from kvxfer.engine.sender import Sender
+    from kvxfer.errors import LedgerInvariantError
+
+    pair = engines()
+    _admitted(pair, "lost", 3, seed=16)
+    monkeypatch.setattr(Sender, "_maybe_release", lambda self, req: None)
+    pair.prefill.send("lost")
+    assert pair.decode.wait("lost").state is R.READABLE
+    pair.decode.release("lost")
+    wait_for(lambda: pair.prefill.sender.settled(pair.prefill.status("lost")), what="settled")
+    with pytest.raises(LedgerInvariantError, match="settled.*still holds its 3 source pages") as err:
+        pair.prefill.check_accounting()
+    assert "'lost'" in str(err.value)
+    monkeypatch.undo()
+    req = pair.prefill.status("lost")
+    pair.prefill.sender._maybe_release(req)  # the release the simulated bug skipped, so teardown is clean
+
+
+def test_prefill_accounting_fails_when_an_ended_link_never_reported_its_writes(engines, monkeypatch):
+    """Writes posted on a data connection that ended but were never reported would hold their sources
+    for ever: the checker names them. Simulated with the behaviour this suite's failing-event test
+    caught: a ready event whose exception escaped into the sending thread, ending the link with the
+    batch it was sending unreported."""
+    from kvxfer.core.runs import WriteBatch
+    from kvxfer.errors import LedgerInvariantError
+
+    pair = engines()
+    _admitted(pair, "orphan", 4, seed=17)
+    link = pair.prefill.peers[pair.decode.engine_id].link
+
+    def escaping(self):
+        raise RuntimeError("device error escaping into the transport")
+    monkeypatch.setattr(WriteBatch, "wait_sources", escaping)
+    pair.prefill.send("orphan", count=2)
+    wait_for(lambda: link.ended, what="the link ended")
+    wait_for(lambda: pair.prefill.status("orphan").fsm.terminal, what="the request failed with its link")
+    with pytest.raises(LedgerInvariantError, match="never reported") as err:
+        pair.prefill.check_accounting()
+    assert "'orphan'" in str(err.value)
+    monkeypatch.undo()
+    for leg in pair.prefill.status("orphan").legs:  # the report the escape lost, so teardown is clean
+        for batch in leg.batches:
+            pair.prefill.sender._on_complete(batch, 0, len(batch))
+    assert pair.prefill.check_accounting()["sources_in_flight"] == 0

@@ -57,6 +57,9 @@ class WriteBatch:
     # early send under overlap scheduling): an object with ``synchronize()`` (a CUDA event) or
     # ``wait()``. Whoever reads the source pages first waits on it (:meth:`wait_sources`).
     ready: Any = None
+    # what the ready event raised while it was waited on: the source pages never became valid, so the
+    # batch was cancelled unsent (the sender fails its request with this reason)
+    ready_error: BaseException | None = None
     # the transport's access blob from the request's META (verbs: its memory windows' keys); b"": none
     access: bytes = b""
     # a head slice's runs (kvxfer.core.slicing): each run is whole pieces of ``units[i]`` bytes, not whole
@@ -75,14 +78,25 @@ class WriteBatch:
             return np.asarray(self.units, dtype=np.int64)
         return np.asarray(item_lens, dtype=np.int64)[self.buffers]
 
-    def wait_sources(self) -> None:
-        """Block until the source pages hold what the caller wrote (no-op without ``ready``)."""
+    def wait_sources(self) -> bool:
+        """Block until the source pages hold what the caller wrote (at once without ``ready``). False
+        when they never will and nothing of the batch may be sent: it was cancelled, or its ready event
+        raised (a device error in the kernel that writes them). The batch is then cancelled with the
+        exception in :attr:`ready_error`, and whoever holds it reports all its writes failed: an event
+        that fails never escapes into the transport's thread or ends its connection."""
         ready = self.ready
-        if ready is None:
-            return
+        if ready is None or self.cancelled:
+            return not self.cancelled
         wait = getattr(ready, "synchronize", None) or ready.wait
-        wait()
-        self.ready = None
+        try:
+            wait()
+        except Exception as exc:
+            self.ready_error = exc
+            self.cancelled = True
+            return False
+        finally:
+            self.ready = None
+        return True
 
     def log_bytes(self) -> bytes:
         """The batch as write-log records (buffer, flags, dst offset, length), as DONE carries them."""
@@ -94,6 +108,12 @@ class WriteBatch:
     @property
     def nbytes(self) -> int:
         return total(np.asarray(self.lengths))
+
+
+def is_ready_event(ready: Any) -> bool:
+    """Whether ``ready`` can be waited on as :meth:`WriteBatch.wait_sources` does: None (nothing to
+    wait for), or an object with a callable ``synchronize()`` (a CUDA event) or ``wait()``."""
+    return ready is None or callable(getattr(ready, "synchronize", None)) or callable(getattr(ready, "wait", None))
 
 
 def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

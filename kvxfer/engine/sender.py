@@ -58,7 +58,7 @@ from ..core.ledger import PageState
 from ..core.lifecycle import Lifecycle, SenderState
 from ..core.pagesets import all_set, any_set, has_duplicates, isin
 from ..core.pool import PagePool
-from ..core.runs import WriteBatch, build_batch
+from ..core.runs import WriteBatch, build_batch, is_ready_event
 from ..core.slicing import LegAtoms, LegShape, canonical_pieces, chunk_runs
 from ..errors import (
     AdmissionRejected,
@@ -132,8 +132,10 @@ class DoneBuilder:
         transport's thread, behind every write of the leg."""
         try:
             if any(batch.cancelled for batch in self.batches):
-                return m.Abort(rid=self.rid, gen=self.gen, reason="aborted",
-                               detail="the request failed on another of its legs; its writes stopped")
+                failed = next((b.ready_error for b in self.batches if b.ready_error is not None), None)
+                detail = ("the request failed on another of its legs; its writes stopped" if failed is None else
+                          f"a chunk's ready event raised before its source pages were read: {failed}"[:2000])
+                return m.Abort(rid=self.rid, gen=self.gen, reason="aborted", detail=detail)
             log_bytes = b"".join(batch.log_bytes() for batch in self.batches) if self.write_log else b""
             if self.atoms is None:
                 nbytes, pages = self.layout.bytes_for_pages(self.src.size), int(self.src.size)
@@ -819,6 +821,9 @@ class Sender:
         Raises :class:`InvalidArgument` (nothing posted) for anything else."""
         with self.lock:
             req = self._sending(rid, "send")
+            if not is_ready_event(ready):
+                raise InvalidArgument(f"ready must be an event (an object with synchronize() or wait(), such as a "
+                                      f"CUDA event), got a {type(ready).__name__}", rid=rid, generation=req.gen)
             total = req.total_pages
             group = self._buffer_group(req, buffers)
             if req.buffer_sent is None:
@@ -1027,7 +1032,8 @@ class Sender:
 
         def compute() -> None:
             try:
-                batch.wait_sources()
+                if not batch.wait_sources():  # never valid (its ready event failed) or cancelled: no sums
+                    return
                 raw = native.lib.checksum_items(algo_id, initial, addresses.tobytes(), lengths.tobytes(),
                                                 items.tobytes())
                 batch.item_sums = np.frombuffer(raw, dtype=np.uint32)
@@ -1174,6 +1180,14 @@ class Sender:
             if failed and not batch.cancelled and req.state in (S.TRANSFERRING, S.DONE_SENT):
                 self._fail(req, TransferFailed(f"{failed} writes failed on the wire", reason="write_error",
                                                rid=req.rid, generation=req.gen), culprit=leg)
+            elif batch.ready_error is not None and req.state in (S.TRANSFERRING, S.DONE_SENT):
+                # the caller's ready event raised: these source pages never held valid KV. The request fails
+                # alone (no culprit: every leg's link is fine, each gets a writer ABORT behind its writes)
+                exc = batch.ready_error
+                self._fail(req, TransferFailed(
+                    f"the ready event of a chunk raised before its source pages were read: "
+                    f"{type(exc).__name__}: {exc}"[:2000], reason="source_not_ready", rid=req.rid,
+                    generation=req.gen))
             self._maybe_drained(req)
             self._maybe_release(req)
             if req.state is not state or (leg.quiescent and req.fsm.terminal):
@@ -1311,13 +1325,39 @@ class Sender:
         return req.fsm.terminal and req.drained
 
     def check_accounting(self) -> dict[str, int]:
+        """The source pool's accounting invariant and every request's custody of its source pages.
+
+        Besides the ledger's own counts: ``sources_in_flight``, source pages that ended requests still
+        hold because the transport has not yet taken every write (or DONE) posted for them, and
+        ``writes_in_flight``, writes posted and not yet reported. Raises
+        :class:`~kvxfer.errors.LedgerInvariantError` when a request is settled (ended and drained) but
+        still holds its sources, or when an ended request waits on writes that a data connection which
+        has ended never reported (they never will be: its sources would be held for ever)."""
+        from ..errors import LedgerInvariantError
 
         with self.lock:
+            for req in list(self.undrained.values()):
+                self._maybe_release(req)  # as tick() does: a link that ended just now has not told us yet
             counts = self.pool.ledger.check_invariants()
-            holders = list(self.active.values()) + [
-                r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external
-            ]
+            ended = [r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external]
+            holders = list(self.active.values()) + ended
+            for req in holders:
+                if req in ended and self.settled(req):
+                    raise LedgerInvariantError(f"settled ({req.state.value}, drained) but still holds its "
+                                               f"{req.pages.size} source pages", rid=req.rid, generation=req.gen or None)
+                # a link sets ``ended`` only after every write it took was reported, each report under this
+                # lock: a write it still owes now is one nobody will report
+                for leg in req.legs:
+                    link = leg.link
+                    if not leg.quiescent and link is not None and link.ended:
+                        raise LedgerInvariantError(
+                            f"{leg.posted - leg.completed} writes to {leg.peer!r} (generation {leg.gen}) on data "
+                            f"connection {link.conn_id}, which has ended, were never reported: its "
+                            f"{req.pages.size} source pages would be held for ever", rid=req.rid,
+                            generation=req.gen or None)
             self.pool.ledger.check_custody(
                 ((req.rid, req.local_gen, req.pages, (PageState.RESERVED,)) for req in holders if not req.external),
                 noun="source pages")
+            counts["sources_in_flight"] = sum(int(req.pages.size) for req in ended)
+            counts["writes_in_flight"] = sum(leg.posted - leg.completed for req in holders for leg in req.legs)
             return counts

@@ -186,6 +186,12 @@ class SenderLink(abc.ABC):
     def alive(self) -> bool:
         """False once the connection ended (the link reported ``on_closed`` or was closed)."""
 
+    @property
+    def ended(self) -> bool:
+        """True once the link has ended *and* reported every write it took (sent or failed): a write
+        of an ended link that was not reported never will be (the prefill's accounting checks it)."""
+        return False
+
     @abc.abstractmethod
     def post_writes(self, batch: WriteBatch, on_complete: OnComplete) -> None:
         """Queue a batch of writes; ``on_complete`` reports it once (possibly as failed)."""

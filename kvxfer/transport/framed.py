@@ -84,6 +84,11 @@ class FrameLink(SenderLink, LaneLink):
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def ended(self) -> bool:
+        """The link ended: ``_end`` reported every queued write failed before it set ``_ended``."""
+        return self._ended.is_set()
+
     # posting (any thread) -----------------------------------------------------------------------------
     def post_writes(self, batch: WriteBatch, on_complete: OnComplete) -> None:
         self._post(WriteJob(batch, on_complete))

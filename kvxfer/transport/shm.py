@@ -936,7 +936,9 @@ class ShmLink(FrameLink):
         self.frames_sent += 1
 
     def _send_batch(self, job: WriteJob) -> None:
-        job.batch.wait_sources()
+        if not job.batch.wait_sources():  # cancelled, or its ready event failed: nothing of it is sent
+            job.on_complete(job.batch, 0, len(job.batch))
+            return
         cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
         self._send_batch_frames(job, cuts, lambda batch, cut, last: self._send_frame(batch, cut, last=last))
 

@@ -860,8 +860,8 @@ class TcpLink(FrameLink):
         message is built exactly as its own step would build it; the batch is reported sent after
         the call, or failed (and the connection ends) if it raises."""
         batch = job.batch
-        batch.wait_sources()
-        if batch.cancelled:  # dropped unsent meanwhile (a close without flush): the message goes alone
+        if not batch.wait_sources():  # dropped unsent meanwhile (a close without flush, a failed ready event):
+            # the message goes alone (a DONE behind cancelled writes is built as a writer ABORT)
             job.on_complete(batch, 0, len(batch))
             send_all(self._sock, [self._ordered_frame(ordered)])
             return
@@ -886,7 +886,9 @@ class TcpLink(FrameLink):
         job.on_complete(batch, len(batch), 0)
 
     def _send_batch(self, job: WriteJob) -> None:
-        job.batch.wait_sources()
+        if not job.batch.wait_sources():  # cancelled, or its ready event failed: nothing of it is sent
+            job.on_complete(job.batch, 0, len(job.batch))
+            return
         if self._staging is not None:
             self._send_batch_staged(job)
             return

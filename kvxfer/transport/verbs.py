@@ -816,6 +816,11 @@ class VerbsLink(SenderLink, LaneLink):
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def ended(self) -> bool:
+        """The link ended: ``_shutdown`` reported every write in flight or queued before ``_ended`` was set."""
+        return self._ended.is_set()
+
     # posting API (any thread) -----------------------------------------------------------------------
     def post_writes(self, batch: WriteBatch, on_complete: Callable[[WriteBatch, int, int], None]) -> None:
         self._post(("write", batch, on_complete))
@@ -908,7 +913,9 @@ class VerbsLink(SenderLink, LaneLink):
                 # ordered message behind it waits until it has posted and completed.
                 self._held.append((time.monotonic() + self.faults.config.late_delay_s, job))
                 return
-        batch.wait_sources()
+        if not batch.wait_sources():  # cancelled meanwhile, or its ready event failed: nothing is posted
+            on_complete(batch, 0, len(batch))
+            return
         self._post_batch(batch, on_complete, decision)
 
     def _batch_rkeys(self, batch: WriteBatch) -> np.ndarray:

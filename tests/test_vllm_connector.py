@@ -244,6 +244,103 @@ def test_params_name_the_first_bad_field():
         parse([1])
 
 
+GOOD_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+               "kvxfer": {"version": 1, "addresses": ["tcp://127.0.0.1:5000"], "tokens": 3, "tp_size": 1,
+                          "block_size": 16}}
+
+
+def _with(field: str, value) -> dict:
+    if field.startswith("kvxfer."):
+        return {**GOOD_PARAMS, "kvxfer": {**GOOD_PARAMS["kvxfer"], field.removeprefix("kvxfer."): value}}
+    return {**GOOD_PARAMS, field: value}
+
+
+STRICT_CASES = [
+    # issue 41, finding 3: each used to be accepted (or escaped as another exception)
+    ("kvxfer.addresses", ["tcp://127.0.0.1:٤٠١٢٣"], r"kvxfer\.addresses"),  # Arabic-Indic digits
+    ("kvxfer.addresses", ["tcp://127.0.0.1:４０１２３"], r"kvxfer\.addresses"),  # fullwidth digits
+    ("kvxfer.addresses", ["tcp://127.0.0.1:²"], r"kvxfer\.addresses"),  # isdigit(), but int() raises
+    ("kvxfer.addresses", ["tcp://127.0.0.1:" + "9" * 5000], r"kvxfer\.addresses"),  # int() refuses the length
+    ("kvxfer.addresses", ["tcp://127.0.0.1:0"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:65536"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://host name:5000"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://h\ud800:5000"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://[::1:5000"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", [5000], r"kvxfer\.addresses"),
+    ("kvxfer.version", True, r"kvxfer\.version"),  # True == 1
+    ("kvxfer.version", 1.0, r"kvxfer\.version"),
+    ("kvxfer.tokens", 3.0, r"kvxfer\.tokens"),
+    ("kvxfer.block_size", False, r"kvxfer\.block_size"),
+    ("remote_request_id", "\ud800", r"remote_request_id.*UTF-8"),  # JSON can carry a lone surrogate
+    ("remote_request_id", "req-\udfff-1", r"remote_request_id.*UTF-8"),
+    ("remote_request_id", 7, r"remote_request_id"),
+    ("remote_engine_id", "\ud800", r"remote_engine_id.*UTF-8"),
+    ("remote_engine_id", "", r"remote_engine_id"),
+    ("remote_engine_id", "e" * 5000, r"remote_engine_id"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), STRICT_CASES, ids=[f"{c[0]}={c[1]!r:.30}" for c in STRICT_CASES])
+def test_params_are_parsed_strictly_and_every_refusal_names_the_field(field, value, needle):
+    with pytest.raises(ParamsError, match=needle) as err:
+        parse(_with(field, value))
+    str(err.value).encode("utf-8")  # the reason reaches the client as it is: no lone surrogate in it
+
+
+def test_good_params_in_every_accepted_form_parse():
+    for address in ("tcp://127.0.0.1:1", "tcp://node-1.example:65535", "tcp://[::1]:5000"):
+        assert parse(_with("kvxfer.addresses", [address])).addresses == (address,)
+    assert parse(_with("remote_request_id", "cmpl-é-😀")).request_id == "cmpl-é-😀"
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:²", "tcp://127.0.0.1:٤٠١٢٣", "tcp://127.0.0.1:" + "9" * 5000],
+                         ids=["superscript", "arabic-indic", "5000-digits"])
+def test_the_scheduler_hook_turns_bad_params_into_a_400_never_an_exception(address):
+    """A superscript port used to raise a bare ValueError out of ``after_alloc`` into vLLM's scheduler;
+    Arabic-Indic digits were accepted and the load failed later as a 503."""
+    sched = SchedulerSide(engine_id="d-strict", block_size=BLOCK, tp_size=1, producer=False, consumer=True,
+                          serve_reasons=False)
+    try:
+        params = _with("kvxfer.addresses", [address])
+        params["kvxfer"]["tokens"] = len(PROMPT)  # _with copied the kvxfer object
+        req = request("dec-strict", PROMPT, params, status="WAITING_FOR_REMOTE_KVS")
+        assert sched.matched_tokens(req, 0) == (len(PROMPT), True)
+        sched.after_alloc(req, [1, 2, 3], len(PROMPT))
+        (job,) = sched.take_jobs().loads
+        assert job.params is None and job.failure is not None
+        assert (job.failure.status, job.failure.reason) == (400, "invalid_params"), job.failure
+        assert "kvxfer.addresses" in job.failure.text
+    finally:
+        sched.close()
+
+
+def test_the_scheduler_hook_turns_a_surrogate_request_id_into_a_400():
+    sched = SchedulerSide(engine_id="d-strict2", block_size=BLOCK, tp_size=1, producer=False, consumer=True,
+                          serve_reasons=False)
+    try:
+        params = {**GOOD_PARAMS, "remote_request_id": "req-\ud800",
+                  "kvxfer": {**GOOD_PARAMS["kvxfer"], "tokens": len(PROMPT)}}
+        req = request("dec-strict2", PROMPT, params, status="WAITING_FOR_REMOTE_KVS")
+        sched.after_alloc(req, [1, 2, 3], len(PROMPT))
+        (job,) = sched.take_jobs().loads
+        assert (job.failure.status, job.failure.reason) == (400, "invalid_params"), job.failure
+        assert "remote_request_id" in job.failure.text
+        job.failure.text.encode("utf-8")
+    finally:
+        sched.close()
+
+
+def test_a_prefill_request_whose_id_does_not_encode_as_utf8_is_not_sent_and_gets_no_params():
+    """vLLM's request id goes into the params and onto the wire: one with a lone surrogate is refused
+    at request_finished (vLLM frees its blocks at once), not by msgpack on the way to the decode."""
+    sched = SchedulerSide(engine_id="p-strict", block_size=BLOCK, tp_size=1, producer=True, consumer=False)
+    sched.set_addresses({0: SimpleNamespace(address="tcp://127.0.0.1:5000")})
+    assert sched.finished(request("req-\ud800", PROMPT, {"do_remote_decode": True}), [1, 2, 3]) == (False, None)
+    assert sched.take_jobs().empty() and not sched.sending
+    delay, params = sched.finished(request("req-ok", PROMPT, {"do_remote_decode": True}), [1, 2, 3])
+    assert delay and parse(params).request_id == "req-ok"
+
+
 def test_failures_are_classified_by_whose_fault():
     assert classify(AdmissionRejected("x", reason="consumed")).status == 400
     assert classify(AdmissionRejected("x", reason="exceeds_context")).status == 400

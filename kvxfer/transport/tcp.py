@@ -53,10 +53,11 @@ import msgpack
 import numpy as np
 
 from ..core import native
+from ..core.arguments import split_host_port
 from ..core.layout import KVLayout
 from ..core.runs import FrameCut, WriteBatch, cut_frames
 from ..core.writeguard import WriteGuard
-from ..errors import KvxferError, ProtocolError, TransportError, WriteRefused
+from ..errors import InvalidArgument, KvxferError, ProtocolError, TransportError, WriteRefused
 from ..wire import frames as f
 from ..wire import messages as m
 from .base import (
@@ -108,11 +109,15 @@ def frame_limit(layout: KVLayout) -> int:
     return max(FRAME_MAX_BYTES, largest)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise TransportError(f"bad tcp address {address!r} (expected host:port)")
-    return host.strip("[]"), int(port)
+def parse_address(address: Any) -> tuple[str, int]:
+    """A data address (``host:port``, an IPv6 host bare or in brackets) as ``(host, port)``, by the
+    strict rules of :func:`~kvxfer.core.arguments.split_host_port` (ASCII digits only, port in 1..65535):
+    it arrives from the peer in OFFER, so anything else is a TransportError naming it, never a
+    ValueError or a connection to somewhere else."""
+    try:
+        return split_host_port(address, "tcp address")
+    except InvalidArgument as exc:
+        raise TransportError(exc.detail) from None
 
 
 _TCP_CORK = getattr(socket, "TCP_CORK", None)  # Linux: hold partial segments until uncorked (at most 200 ms)

@@ -73,11 +73,12 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from ...core.arguments import check_host, parse_port, shown, split_tcp_endpoint
 from ...core.geometry import fanout
 from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
-from ...errors import AdmissionRejected, KvxferError, PeerError, TransferFailed
+from ...errors import AdmissionRejected, InvalidArgument, KvxferError, PeerError, TransferFailed
 from .layout import pool_geometry
 from .reasons import ADMISSION_REFUSED
 from .settings import engine_config
@@ -91,6 +92,33 @@ def reason_of(exc: KvxferError) -> str:
     return f"{prefix}{exc.code}: {exc}"
 
 R, S = ReceiverState, SenderState
+
+
+def rank_key(info: Any) -> tuple[str, int]:
+    """A prefill rank's kvxfer control endpoint ``(rank_ip, rank_port)``, from an entry of SGLang's
+    bootstrap registry (what a prefill registered over HTTP), by the strict rules of
+    :mod:`kvxfer.core.arguments`: InvalidArgument names the field, never a ValueError or KeyError out
+    of a scheduler call. ``rank_ip`` is kept as registered (``[v6]`` keeps its brackets)."""
+    try:
+        ip, port = info["rank_ip"], info["rank_port"]
+    except (KeyError, IndexError, TypeError):
+        raise InvalidArgument(f"bootstrap registry entry {shown(info)} has no rank_ip and rank_port") from None
+    check_host(ip, "rank_ip")
+    return ip, parse_port(port, "rank_port")
+
+
+def rank_endpoint(info: Any) -> str:
+    """``tcp://rank_ip:rank_port`` of a registry entry (:func:`rank_key`)."""
+    ip, port = rank_key(info)
+    return f"tcp://{ip}:{port}"
+
+
+def rank_text(info: Any) -> str:
+    """A registry entry's rank for a message: ``ip:port``, or the raw values when they are bad."""
+    try:
+        return "{}:{}".format(*rank_key(info))
+    except InvalidArgument:
+        return shown(info)
 
 
 def _engine_config(server_args: Any, pool_tokens: int, rank: int) -> EngineConfig:
@@ -214,8 +242,9 @@ class KvxferKVManager(CommonKVManager):
 
     # prefill: advertise the kvxfer control address through Common's registration ------------------
     def register_to_bootstrap(self) -> None:
-        host, _, port = self.engine.address.removeprefix("tcp://").split("#", 1)[0].rpartition(":")
-        self.local_ip, self.rank_port = host, int(port)
+        endpoint = self.engine.address.split("#", 1)[0]
+        _, port = split_tcp_endpoint(endpoint, "this engine's kvxfer control address")  # strict, as the decode reads it
+        self.local_ip, self.rank_port = endpoint.removeprefix("tcp://").rpartition(":")[0], port
         super().register_to_bootstrap()
 
     # decode: prefill discovery, peering and failures ---------------------------------------------
@@ -273,7 +302,7 @@ class KvxferKVManager(CommonKVManager):
             for tp in range(int(getattr(info, "attn_tp_size", 1) or 1)):
                 info = requests.get(f"{base}?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank=0&target_tp_rank={tp}"
                                     "&target_pp_rank=0", timeout=5).json()
-                addresses.append(f"tcp://{info['rank_ip']}:{int(info['rank_port'])}")
+                addresses.append(rank_endpoint(info))
         except Exception as exc:  # the refusal then reaches the prefill at its bootstrap timeout only
             log.warning("prefill %s: cannot read its ranks from the bootstrap registry: %s", bootstrap_addr, exc)
             return []
@@ -297,7 +326,11 @@ class KvxferKVManager(CommonKVManager):
     def connect_rank(self, info: dict[str, Any]) -> str | None:
         """The live kvxfer peer of a prefill rank (``rank_ip``/``rank_port`` from the registry),
         peering with it first if needed; None (and the reason logged) when it cannot be reached."""
-        key = (str(info["rank_ip"]), int(info["rank_port"]))
+        try:
+            key = rank_key(info)
+        except InvalidArgument as exc:
+            log.warning("prefill rank %s: %s", rank_text(info), exc)
+            return None
         peer = self.live_peer(info)
         if peer is not None:
             return peer
@@ -312,8 +345,20 @@ class KvxferKVManager(CommonKVManager):
         return peer
 
     def live_peer(self, info: dict[str, Any]) -> str | None:
-        peer = self._peers.get((str(info["rank_ip"]), int(info["rank_port"])))
+        try:
+            peer = self._peers.get(rank_key(info))
+        except InvalidArgument:
+            return None
         return peer if peer is not None and self.engine.peer_connected(peer) else None
+
+    def peering_problem(self, info: dict[str, Any]) -> str:
+        """Why :meth:`connect_rank` returned None for ``info``: a bad registry entry, or the last peering
+        error with that rank."""
+        try:
+            key = rank_key(info)
+        except InvalidArgument as exc:
+            return exc.detail
+        return self.peering_error.get(key, "no answer")
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """Common's handling (rooms failed, caches dropped), and the address re-resolved next time."""
@@ -588,7 +633,15 @@ class KvxferKVReceiver(CommonKVReceiver):
         return targets
 
     def _addresses(self) -> list[str]:
-        return [f"tcp://{info['rank_ip']}:{int(info['rank_port'])}" for info in self.bootstrap_infos or []]
+        """The kvxfer control endpoints of the prefill ranks in ``bootstrap_infos`` (a bad entry left out:
+        nothing can be told there)."""
+        addresses = []
+        for info in self.bootstrap_infos or []:
+            try:
+                addresses.append(rank_endpoint(info))
+            except InvalidArgument:
+                continue
+        return addresses
 
     def _live_peers(self) -> list[str] | None:
         peers = [self.kv_mgr.live_peer(info) for info in self._targets()]
@@ -602,9 +655,9 @@ class KvxferKVReceiver(CommonKVReceiver):
             return self.bootstrap_infos is not None
         for info in self._targets():
             if self.kv_mgr.connect_rank(info) is None:
-                why = self.kv_mgr.peering_error.get((str(info["rank_ip"]), int(info["rank_port"])), "no answer")
-                self._refuse(f"cannot peer with the prefill's kvxfer engine at {info['rank_ip']}:{info['rank_port']}: "
-                             f"{why}", self._addresses())
+                why = self.kv_mgr.peering_problem(info)
+                self._refuse(f"cannot peer with the prefill's kvxfer engine at {rank_text(info)}: {why}",
+                             self._addresses())
                 return False
         return True
 

@@ -4,9 +4,11 @@ The prefill's ``request_finished`` returns them to the client (through the route
 them to the decode unchanged. They only *name* KV: where the prefill's kvxfer engines listen and which
 request to take. Nothing in them is trusted for safety: the prompt binding travels inside kvxfer's
 verified DONE (:mod:`.binding`), the prefill accepts a destination for a request once, and the decode
-checks every field here before it reserves a page. Keys are vLLM's usual ones (``do_remote_prefill``,
-``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``) plus one ``kvxfer``
-object::
+checks every field here before it reserves a page, strictly (:mod:`kvxfer.core.arguments`: ports in
+ASCII digits, integers that are not booleans, ids that encode as UTF-8), so a bad value is a
+:class:`ParamsError` naming the field (HTTP 400), never another exception. Keys are vLLM's usual
+ones (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
+``remote_port``: the decode reads the first three, not the last two) plus one ``kvxfer`` object::
 
     {"version": 1, "addresses": ["tcp://10.0.0.1:40123", ...one per prefill TP rank],
      "tokens": 517, "tp_size": 1, "block_size": 32}
@@ -15,10 +17,13 @@ object::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
+
+from ...core.arguments import MAX_RID_STR, check_rid, engine_id_problem, shown, split_tcp_endpoint
+from ...errors import InvalidArgument
 
 VERSION = 1
-MAX_RID_CHARS = 512
+MAX_RID_CHARS = MAX_RID_STR
 MAX_RANKS = 256
 
 
@@ -51,42 +56,65 @@ class TransferParams:
         }
 
 
-def _int(value: Any, name: str, low: int, high: int) -> int:
+def _refuse(field: str, problem: str) -> NoReturn:
+    raise ParamsError(f"kv_transfer_params {field} {problem}")
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    """An integer field: a JSON integer (not ``true``/``false``, not ``1.0``) in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ParamsError(f"kv_transfer_params {name} must be an integer in [{low}, {high}], got {value!r}")
+        _refuse(field, f"must be an integer in [{low}, {high}], got {shown(value)}")
+    return int(value)
+
+
+def _request_id(value: Any) -> str:
+    """``remote_request_id``: the prefill's request id, a string the engines take (:func:`check_rid`)."""
+    if not isinstance(value, str):
+        _refuse("remote_request_id", f"must be a string, got {shown(value)}")
+    try:
+        return str(check_rid(value))
+    except InvalidArgument as exc:
+        _refuse("remote_request_id", f"is not a kvxfer request id: {exc.detail}")
+
+
+def _engine_id(value: Any) -> str:
+    """``remote_engine_id``: an engine id (:func:`engine_id_problem`)."""
+    why = engine_id_problem(value)
+    if why is not None:
+        _refuse("remote_engine_id", f"must be an engine id (a non-empty string that encodes as UTF-8), but it {why}")
     return value
 
 
+def _addresses(value: Any) -> tuple[str, ...]:
+    """``kvxfer.addresses``: 1..256 control endpoints ``tcp://host:port`` (:func:`split_tcp_endpoint`)."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_RANKS:
+        _refuse("kvxfer.addresses", f"must be a list of 1 to {MAX_RANKS} addresses, got {shown(value)}")
+    for index, address in enumerate(value):
+        try:
+            split_tcp_endpoint(address)
+        except InvalidArgument as exc:
+            _refuse(f"kvxfer.addresses[{index}]", f"is bad: {exc.detail}")
+    return tuple(value)
+
+
 def parse(params: Any) -> TransferParams:
-    """Check decode-side ``kv_transfer_params``; :class:`ParamsError` names the first bad field."""
+    """Check decode-side ``kv_transfer_params``; :class:`ParamsError` names the first bad field and its
+    value. Nothing else is raised, whatever JSON (lone surrogates included) the client sent."""
     if not isinstance(params, dict):
         raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     ours = params.get("kvxfer")
     if not isinstance(ours, dict):
         raise ParamsError("kv_transfer_params carry no 'kvxfer' object: they were not made by a kvxfer prefill")
     version = ours.get("version")
-    if version != VERSION:
-        raise ParamsError(f"kv_transfer_params kvxfer.version {version!r}, this decode reads {VERSION}")
-    rid = params.get("remote_request_id")
-    if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
-        raise ParamsError(f"kv_transfer_params remote_request_id must be a non-empty string of at most "
-                          f"{MAX_RID_CHARS} characters, got {str(rid)[:80]!r}")
-    engine_id = params.get("remote_engine_id")
-    if not isinstance(engine_id, str) or not engine_id:
-        raise ParamsError(f"kv_transfer_params remote_engine_id must be a non-empty string, got {engine_id!r}")
-    addresses = ours.get("addresses")
-    if not isinstance(addresses, list) or not 1 <= len(addresses) <= MAX_RANKS:
-        raise ParamsError(f"kv_transfer_params kvxfer.addresses must be a list of 1 to {MAX_RANKS} addresses")
-    for address in addresses:
-        host, sep, port = str(address).removeprefix("tcp://").rpartition(":")
-        if not (isinstance(address, str) and address.startswith("tcp://") and sep and host and port.isdigit()
-                and 0 < int(port) < 65536):
-            raise ParamsError(f"kv_transfer_params kvxfer.addresses holds {str(address)[:80]!r}, "
-                              "not tcp://host:port")
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
+        _refuse("kvxfer.version", f"is {shown(version)}, this decode reads the integer {VERSION}")
+    rid = _request_id(params.get("remote_request_id"))
+    engine_id = _engine_id(params.get("remote_engine_id"))
+    addresses = _addresses(ours.get("addresses"))
     tp_size = _int(ours.get("tp_size"), "kvxfer.tp_size", 1, MAX_RANKS)
     if tp_size != len(addresses):
-        raise ParamsError(f"kv_transfer_params kvxfer.tp_size {tp_size} but {len(addresses)} addresses")
+        _refuse("kvxfer.tp_size", f"is {tp_size} but kvxfer.addresses holds {len(addresses)}")
     tokens = _int(ours.get("tokens"), "kvxfer.tokens", 1, 1 << 31)
     block_size = _int(ours.get("block_size"), "kvxfer.block_size", 1, 1 << 20)
-    return TransferParams(engine_id=engine_id, request_id=rid, addresses=tuple(addresses), tokens=tokens,
+    return TransferParams(engine_id=engine_id, request_id=rid, addresses=addresses, tokens=tokens,
                           tp_size=tp_size, block_size=block_size)

@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.arguments import check_rid, shown
+from ...errors import InvalidArgument
 from .binding import prompt_binding
 from .outcomes import LoadFailure, ReasonBook, ReasonServer, reason_address
 from .params import ParamsError, TransferParams, parse
@@ -118,17 +120,28 @@ class SchedulerSide:
         pages = pages_for(tokens, self.block_size)
         job = LoadJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]], tokens=tokens,
                       binding=prompt_binding(prompt))
-        try:
-            job.params = parse(params)
-        except ParamsError as exc:
-            job.failure = LoadFailure(400, "invalid_params", str(exc))
-        else:
+        job.params, job.failure = self._parse(rid, params)
+        if job.failure is None:
             job.failure = self._load_problem(job)
         if job.failure is None and len(job.block_ids) != pages:
             job.failure = LoadFailure(503, "blocks", f"vLLM gave {len(job.block_ids)} blocks for a prompt of "
                                                      f"{tokens} tokens ({pages} blocks of {self.block_size})")
         self._jobs.loads.append(job)
         self.loading.add(rid)
+
+    @staticmethod
+    def _parse(rid: str, params: dict[str, Any]) -> tuple[TransferParams | None, LoadFailure | None]:
+        """The client's params, or why the load fails. Nothing escapes into vLLM's scheduler: bad params
+        are the client's fault (400, naming the field); any other exception would be a kvxfer bug,
+        logged, and fails this request only (500)."""
+        try:
+            return parse(params), None
+        except ParamsError as exc:
+            return None, LoadFailure(400, "invalid_params", str(exc))
+        except Exception as exc:
+            log.exception("kvxfer: request %r: reading kv_transfer_params failed", rid)
+            return None, LoadFailure(500, "internal_error", f"kvxfer could not read kv_transfer_params: "
+                                                            f"{type(exc).__name__}: {shown(str(exc))}")
 
     def _load_problem(self, job: LoadJob) -> LoadFailure | None:
         params = job.params
@@ -165,6 +178,11 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids or ())
         tokens = len(prompt)
         if int(request.num_computed_tokens) < tokens or not self.addresses:
+            return False, None
+        try:
+            check_rid(rid)  # it travels to the client, the decode and the wire: refused here, not there
+        except InvalidArgument as exc:
+            log.warning("kvxfer: request %s not sent: %s", shown(rid), exc)
             return False, None
         pages = pages_for(tokens, self.block_size)
         self._jobs.sends.append(SendJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]],

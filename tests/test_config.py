@@ -148,6 +148,16 @@ def test_from_env_reads_every_scalar_setting_by_its_type():
                                  ).allow_undersized_pool is False
 
 
+@pytest.mark.parametrize("text", ["٤٠٩٦", "４０９６", "²", "1_0", "١.٥"])
+def test_from_env_takes_numbers_in_ascii_digits_only(text):
+    """int() and float() take any Unicode digit (and underscores): a setting from the environment is
+    refused unless it is written in ASCII, naming the variable."""
+    var = "KVXFER_DRAIN_TIMEOUT" if "." in text else "KVXFER_MAX_CONTEXT"
+    env = {"KVXFER_MAX_CONTEXT": "4096", var: text}
+    with pytest.raises(ConfigError, match=var):
+        EngineConfig.from_env(env)
+
+
 def test_from_env_reads_transport_options_by_their_variables():
     env = {"KVXFER_MAX_CONTEXT": "64", "KVXFER_IB_DEVICE": "mlx5_1", "KVXFER_IB_PORT": "2",
            "KVXFER_GID_INDEX": "3", "KVXFER_TCP_STAGING": "host", "KVXFER_SHM_RING_BYTES": "1048576"}

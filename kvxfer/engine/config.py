@@ -374,6 +374,10 @@ def _parse(text: str, hint: Any, var: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ConfigError(f"{var}={text!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+    if kind in (int, float) and (not text.isascii() or "_" in text):
+        # int() and float() take any Unicode digit ("٤٠", "４０") and underscores ("1_0"): a setting is
+        # written in plain ASCII digits
+        raise ConfigError(f"{var}={text!r}: expected {'an integer' if kind is int else 'a number'} in ASCII digits")
     if kind is int:
         for base in (10, 0):  # decimal first ("010" is ten), then 0x/0o/0b literals
             try:

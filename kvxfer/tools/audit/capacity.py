@@ -508,7 +508,7 @@ def role_sort_key(role: str) -> tuple[int, str]:
 
 def natural_key(text: str) -> list[Any]:
     parts = re.split(r"([0-9]+)", text.casefold())
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in parts if part]
+    return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part) for part in parts if part]
 
 
 # -------------------------------------------------------------------------------------------- verdict

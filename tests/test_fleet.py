@@ -196,3 +196,54 @@ def test_a_bad_send_threads_setting_is_refused_naming_it(threads):
 def test_process_load_reads_this_process():
     load = process_load(os.getpid())
     assert load["threads"] >= 1 and load["fds"] >= 3 and load["rss"] > 0
+
+
+@pytest.mark.parametrize("forgotten", [True, False], ids=["after-forgotten", "new-hello"])
+def test_a_decode_restarted_under_the_same_engine_id_transfers_at_once(forgotten):
+    """Deployments pin engine ids (a pod name). A decode closed and started again under the same id
+    counts its generations from 1 again; the prefill's replay check ("newest META generation from this
+    peer") belongs to one peering, so the new incarnation's first META is taken, whether the prefill
+    forgot the old one first or only hears the new HELLO. Before, it was refused as a replay
+    (stale_meta) until its counter passed the old incarnation's."""
+    config = EngineConfig(max_context=16 * PAGE_TOKENS, heartbeat_interval=0.2, engine_id="decode-pod-0")
+    prefill = PrefillEngine(make_layout(64), EngineConfig(max_context=16 * PAGE_TOKENS, heartbeat_interval=0.2))
+    made = [prefill]
+    try:
+        old = DecodeEngine(make_layout(64), config)
+        made.append(old)
+        assert old.connect(prefill.address) == prefill.engine_id
+        for i in range(4):
+            _transfer_to_engine(prefill, old, f"old-{i}")
+        assert prefill.sender.meta_gen_seen["decode-pod-0"] >= 4
+        old.close()
+        if forgotten:
+            wait_for(lambda: "decode-pod-0" not in prefill.peers, timeout=10, what="the closed decode forgotten")
+            assert "decode-pod-0" not in prefill.sender.meta_gen_seen  # bounded by live peers
+        new = DecodeEngine(make_layout(64), config)
+        made.append(new)
+        assert new.connect(prefill.address) == prefill.engine_id
+        gens = [_transfer_to_engine(prefill, new, f"new-{i}") for i in range(3)]
+        assert gens == [1, 2, 3]  # the old incarnation's generations again
+        assert prefill.sender.stats["stale_meta"] == 0
+        assert prefill.sender.meta_gen_seen["decode-pod-0"] == 3
+        # (peer, generation) names the new incarnation's requests, never the old one's
+        assert [prefill.sender.by_gen[("decode-pod-0", g)].rid for g in gens] == ["new-0", "new-1", "new-2"]
+    finally:
+        close_checked(made)
+
+
+def _transfer_to_engine(prefill: PrefillEngine, decode: DecodeEngine, rid: str) -> int:
+    """One transfer that must become READABLE at once (no waiting out a timeout) with the bytes written;
+    returns its generation."""
+    prefill.admit(rid, 3 * PAGE_TOKENS, peer=decode.engine_id)
+    gen = decode.admit(rid, 3 * PAGE_TOKENS, peer=prefill.engine_id).gen
+    req = prefill.wait_ready(rid, timeout=5)
+    fill_random(prefill.layout, req.pages, 7)
+    prefill.send(rid)
+    assert decode.wait(rid, timeout=5).state is R.READABLE
+    with decode.read(rid) as kv:
+        for b in range(decode.layout.num_buffers):
+            assert np.array_equal(kv.buffer(b), prefill.layout.views()[b][req.pages])
+    decode.release(rid)
+    prefill.wait(rid, timeout=5)
+    return gen

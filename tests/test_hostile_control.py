@@ -512,3 +512,103 @@ def test_a_peer_that_reopens_its_socket_before_its_old_messages_were_read_is_sti
     finally:
         sender.close()
         receiver.close()
+
+
+# issue 41, finding 4: what a failed connect leaves on a decode ------------------------------------------
+
+
+def test_failed_connects_leave_no_control_socket_and_no_pending_hello(engines):
+    """A decode asked to peer with addresses nothing listens on, or with a prefill that refuses it, keeps
+    no socket reconnecting to them (3 of 3 stayed open and retrying before) and no pending HELLO; the
+    peering it has keeps working."""
+    pair = engines(keyed=False)
+    decode = pair.decode
+    baseline = decode.control.open_sockets()
+    assert baseline == 1  # the prefill it peered with
+    for port in _closed_ports(3):  # nothing answers: timed out
+        with pytest.raises(PeerError, match=f"no answer from prefill at tcp://127.0.0.1:{port}"):
+            decode.connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
+    with PrefillEngine(make_layout(16, page_size=8),
+                       EngineConfig(max_context=16 * 8, heartbeat_interval=0.2)) as other:
+        with pytest.raises(PeerError, match="refused"):  # a prefill refusing the peering (its layout)
+            decode.connect(other.address, timeout=5.0)
+    wait_for(lambda: decode.control.open_sockets() == baseline, timeout=3,
+             what=f"the decode's control sockets back to {baseline}")
+    assert not decode._pending_hello
+    assert list(decode.receiver.peers) == [pair.peer]
+    _transfer(pair, "after", 2 * PAGE_TOKENS)
+
+
+def test_a_refusal_sent_to_an_unreachable_address_is_released_after_peer_timeout(engines):
+    """refuse() to an address with no prefill behind it: its HELLO waits for no answer, and once that
+    wait ends (peer_timeout) nothing is left: no pending HELLO, no control socket."""
+    pair = engines(keyed=False, peer_timeout=1.0)
+    decode = pair.decode
+    baseline = decode.control.open_sockets()
+    for port in _closed_ports(3):
+        decode.refuse(f"nobody-{port}", f"tcp://127.0.0.1:{port}")
+    assert decode.control.open_sockets() == baseline + 3 and len(decode._pending_hello) == 3
+    wait_for(lambda: not decode._pending_hello and decode.control.open_sockets() == baseline, timeout=5,
+             what="refusals' HELLOs and sockets released")
+    _transfer(pair, "after", 2 * PAGE_TOKENS)
+
+
+def test_a_keyed_decode_refusing_keyless_or_untrusted_addresses_keeps_nothing_for_them(engines):
+    """A keyed decode refuses, before sending anything, to talk to an address without a trusted key:
+    connect() and refuse() raise naming the address, and leave no pending HELLO and no socket."""
+    pair = engines()
+    decode = pair.decode
+    baseline = decode.control.open_sockets()
+    (port,) = _closed_ports(1)
+    keyless = f"tcp://127.0.0.1:{port}"
+    untrusted = Keyring.generate("stranger").address(keyless)
+    with pytest.raises(PeerError, match=re.escape(keyless) + ".*no server key"):
+        decode.connect(keyless, timeout=1.0)
+    with pytest.raises(PeerError, match="not in this engine's keyring"):
+        decode.connect(untrusted, timeout=1.0)
+    with pytest.raises(PeerError, match=re.escape(keyless) + ".*no server key"):
+        decode.refuse("r1", keyless)
+    assert not decode._pending_hello
+    assert decode.control.open_sockets() == baseline
+    _transfer(pair, "after", 2 * PAGE_TOKENS)
+
+
+# issue 41, finding 5: a prefill's per-peer state belongs to one peering ---------------------------------
+
+
+def test_meta_replay_protection_is_per_peering_and_forgetting_a_peer_drops_its_state():
+    """Within one peering a META not after the newest is a replay (stale_meta); Sender.forget_peer (a
+    new HELLO, or the peer forgotten) ends that peering: its replay entry goes, a destination it left
+    held for a request not admitted here becomes a rejection naming it (admission fails at once, not
+    bound to pages of a peering that ended), and the next peering's generation 1 is taken, and names
+    the next peering's request, not the old one's."""
+    pool = PagePool(make_layout(32))
+    link = _HeldLink()
+    sender = Sender(pool, max_context=16 * PAGE_TOKENS, checksum="none", link_for=lambda peer: link)
+
+    def meta(rid: str, gen: int) -> m.Meta:
+        return m.Meta(rid=rid, gen=gen, slot=gen, tokens=2 * PAGE_TOKENS, pages=np.arange(2, dtype=np.uint32) + 2 * gen)
+
+    sender.admit("a", 2 * PAGE_TOKENS, peer="pod-0")
+    sender.on_meta("pod-0", meta("a", 1))
+    sender.abort("a")
+    sender.on_meta("pod-0", meta("held", 2))  # a destination for a request not admitted here
+    sender.on_meta("pod-0", meta("replay", 2))  # the same peering: refused as a replay
+    assert sender.stats["stale_meta"] == 1 and "replay" not in sender.pending_meta
+    assert sender.meta_gen_seen == {"pod-0": 2} and "held" in sender.pending_meta
+    assert sender.forget_peer("pod-0", "test: a new HELLO") == {"meta_gen_seen": 1, "pending_meta": 1}
+    assert sender.meta_gen_seen == {} and sender.pending_meta == {}
+    assert sender.forget_peer("pod-0", "again") == {"meta_gen_seen": 0, "pending_meta": 0}
+    failed = sender.admit("held", 2 * PAGE_TOKENS, peer="pod-0")
+    assert failed.state is S.FAILED and "decode pod-0's destination for it is gone" in str(failed.error)
+    # the next peering (a restarted decode) counts from 1 again: taken, and (peer, 1) is its request now
+    assert sender.by_gen[("pod-0", 1)].rid == "a"
+    sender.admit("b", 2 * PAGE_TOKENS, peer="pod-0")
+    sender.on_meta("pod-0", meta("b", 1))
+    assert sender.stats["stale_meta"] == 1 and sender._lookup("b").state is S.READY
+    assert sender.by_gen[("pod-0", 1)].rid == "b"
+    sender.on_meta("pod-0", meta("c", 1))  # and within this peering, replays are refused again
+    assert sender.stats["stale_meta"] == 2
+    sender.abort("b")
+    sender.check_accounting()
+    assert pool.ledger.free_count == 32

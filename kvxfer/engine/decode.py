@@ -20,9 +20,20 @@ from .reads import KVRead
 from .receiver import PeerInfo, Receiver, ReceiveRequest
 
 log = logging.getLogger("kvxfer.engine")
+# refuse()'s HELLOs that wait for no caller (each lives until its answer or peer_timeout): beyond this many
+# the oldest is dropped (its answer then finds no session and is refused), so refusals aimed at addresses
+# nobody answers from cannot grow the table without bound
+MAX_DETACHED_HELLOS = 1024
+RETAIN_INTERVAL_S = 1.0  # how often _tick closes control sockets no peer or pending HELLO uses
 
 class DecodeEngine(EngineBase):
-    """The receiving role: reserves pages, lands verified writes, gates reads."""
+    """The receiving role: reserves pages, lands verified writes, gates reads.
+
+    What it holds for others: a :class:`PeerInfo` and a data connection per prefill it peered with, a
+    control socket per address a peer or a pending HELLO uses (``_pending_hello``: a :meth:`connect`
+    in progress, or a HELLO of :meth:`refuse` or of peering again, waiting for its answer). A failed
+    :meth:`connect` leaves neither entry nor socket behind; any other socket is closed by the control
+    thread once unused for a second or more (:meth:`_retain_control`)."""
 
     role = "decode"
     worker_name = "verify"
@@ -41,6 +52,8 @@ class DecodeEngine(EngineBase):
         self.receiver.guard.on_refused = self._write_refused
         self.receiver.guard.requires_final = self.capabilities.requires_final
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
+        self._next_retain = 0.0  # when _tick next closes control sockets nothing uses
+        self._unused_control: set[str] = set()  # addresses whose socket was unused at that pass
         hooks = ReceiverHooks(on_connect=self._on_data_connect, on_ordered=self.receiver.on_ordered,
                               on_closed=self._on_data_closed, on_event=self._event)
         self.transport: ReceiverBackend = self._open_transport(
@@ -50,30 +63,40 @@ class DecodeEngine(EngineBase):
 
     # peering ---------------------------------------------------------------------------------------
     def connect(self, prefill_address: str, *, timeout: float = 10.0) -> str:
-        """Peer with the prefill engine at ``prefill_address``; returns its engine id."""
+        """Peer with the prefill engine at ``prefill_address``; returns its engine id.
+
+        However it ends, its pending-HELLO entry is gone when this returns or raises; one that fails
+        (refused by the prefill, no answer within ``timeout``, or an address this engine refuses to
+        talk to before sending anything: :class:`PeerError` naming the address) also closes the control
+        socket to ``prefill_address`` unless a peer or another pending HELLO uses it."""
         self._check_open()
         session = secrets.token_bytes(16)
         hello = self._hello(session)
         with self.lock:
             self._pending_hello[session] = {"address": prefill_address, "error": None, "peer": None}
-        self.control.send(prefill_address, hello)
-        deadline = time.monotonic() + timeout
-        with self.lock:
-            while True:
-                entry = self._pending_hello[session]
-                if entry["error"] is not None:
-                    del self._pending_hello[session]
-                    raise PeerError(f"peering with {prefill_address} refused: {entry['error']}")
-                peer = entry["peer"]
-                info = self.receiver.peers.get(peer) if peer is not None else None
-                if info is not None and info.connected:  # both halves hold it
-                    del self._pending_hello[session]
-                    return peer
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    del self._pending_hello[session]
-                    raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
-                self.receiver.changed.wait(min(left, 0.1))
+        peered = False
+        try:
+            self.control.send(prefill_address, hello)
+            deadline = time.monotonic() + timeout
+            with self.lock:
+                while True:
+                    entry = self._pending_hello[session]
+                    if entry["error"] is not None:
+                        raise PeerError(f"peering with {prefill_address} refused: {entry['error']}")
+                    peer = entry["peer"]
+                    info = self.receiver.peers.get(peer) if peer is not None else None
+                    if info is not None and info.connected:  # both halves hold it
+                        peered = True
+                        return peer
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
+                    self.receiver.changed.wait(min(left, 0.1))
+        finally:
+            with self.lock:
+                self._pending_hello.pop(session, None)
+                if not peered:
+                    self._release_control(prefill_address)
 
     def peer_connected(self, peer: str, *, wait: float = 2.0) -> bool:
         """Whether both halves hold ``peer``'s data connection (:attr:`PeerInfo.connected`), so a request
@@ -113,7 +136,8 @@ class DecodeEngine(EngineBase):
         same ordered control socket, and a prefill that refuses that HELLO for this decode's layout or
         a full peer table still takes its REJECTs (for its ``meta_timeout``). A HELLO it accepts starts
         a peering, as :meth:`connect` would. Nothing waits for an answer. Returns the generation that
-        names this refusal."""
+        names this refusal. An address this engine will not talk to (with a keyring: one without a
+        trusted key) raises :class:`PeerError` naming it, and leaves no pending HELLO and no socket."""
         self._check_open()
         rid = check_rid(rid)
         if not isinstance(reason, str) or not isinstance(detail, str) or not isinstance(prefill_address, str):
@@ -122,16 +146,55 @@ class DecodeEngine(EngineBase):
             gen = self.receiver.new_generation()
             peered = any(p.control == prefill_address for p in self.receiver.peers.values())
             hello = None
+            session = b""
             if not peered:
                 session = secrets.token_bytes(16)
-                self._pending_hello[session] = {"address": prefill_address, "error": None, "peer": None,
-                                                "detached_until": time.monotonic() + self.config.peer_timeout}
+                self._add_detached_hello(session, prefill_address, time.monotonic() + self.config.peer_timeout)
                 hello = self._hello(session)
             self.counters["refused_requests"] += 1
-        if hello is not None:
-            self.control.send(prefill_address, hello)
-        self.control.send(prefill_address, m.Reject(rid=rid, gen=gen, reason=reason[:200], detail=detail[:4000]))
+        try:
+            if hello is not None:
+                self.control.send(prefill_address, hello)
+            self.control.send(prefill_address, m.Reject(rid=rid, gen=gen, reason=reason[:200],
+                                                         detail=detail[:4000]))
+        except PeerError:  # an address this engine will not talk to, or a full queue: nothing waits for it
+            with self.lock:
+                self._pending_hello.pop(session, None)
+                self._release_control(prefill_address)
+            raise
         return gen
+
+    def _add_detached_hello(self, session: bytes, address: str, until: float) -> None:
+        """Record a HELLO to ``address`` nobody waits for (under the lock): kept until its answer comes
+        or ``until``; at most :data:`MAX_DETACHED_HELLOS` at once (the oldest goes first)."""
+        detached = [k for k, e in self._pending_hello.items() if "detached_until" in e]
+        for old in detached[:max(0, len(detached) - MAX_DETACHED_HELLOS + 1)]:
+            del self._pending_hello[old]
+        self._pending_hello[session] = {"address": address, "error": None, "peer": None, "detached_until": until}
+
+    def _control_in_use(self) -> set[str]:
+        """Addresses whose control socket is needed (under the lock): every peer's, and every pending
+        HELLO's (its answer may still come, and a REJECT may queue behind it)."""
+        used = {p.control for p in self.receiver.peers.values()}
+        used.update(e["address"] for e in self._pending_hello.values())
+        return used
+
+    def _release_control(self, address: str) -> None:
+        """Close the control socket to ``address`` unless a peer or a pending HELLO uses it. Under the
+        lock, so no use of it can start between the check and the close."""
+        with self.lock:
+            if address not in self._control_in_use():
+                self.control.forget(address)
+
+    def _retain_control(self) -> None:
+        """Close the control sockets no peer or pending HELLO used at this pass nor at the previous one
+        (at least :data:`RETAIN_INTERVAL_S` apart), so what was queued just before a HELLO's answer
+        (refuse()'s REJECT) still goes out. Bounds the sockets to what peers and pending HELLOs use."""
+        with self.lock:
+            unused = self.control.addresses() - self._control_in_use()
+            for address in unused & self._unused_control:
+                self.control.forget(address)
+            self._unused_control = unused - self._unused_control
 
     def _dispatch(self, identity: str, msg: m.Message) -> None:
         if isinstance(msg, m.HelloAck):
@@ -324,6 +387,9 @@ class DecodeEngine(EngineBase):
         with self.lock:  # refuse()'s HELLOs that no answer came for
             for session in [k for k, e in self._pending_hello.items() if e.get("detached_until", now + 1) <= now]:
                 del self._pending_hello[session]
+        if now >= self._next_retain:
+            self._next_retain = now + RETAIN_INTERVAL_S
+            self._retain_control()
         dead = []
         offers = []
         with self.lock:
@@ -362,8 +428,7 @@ class DecodeEngine(EngineBase):
             info.ready = False
             conn = info.conn
             session = secrets.token_bytes(16)
-            self._pending_hello[session] = {"address": info.control, "error": None, "peer": None,
-                                            "detached_until": now + max(self.config.peer_timeout, 60.0)}
+            self._add_detached_hello(session, info.control, now + max(self.config.peer_timeout, 60.0))
             hello = self._hello(session)
             self.receiver.changed.notify_all()
         self._event("repeer", counter="repeers", peer=identity[:200], why=why[:500])
@@ -372,6 +437,8 @@ class DecodeEngine(EngineBase):
         try:
             self.control.send(info.control, hello)
         except PeerError as exc:
+            with self.lock:  # nothing will answer it: the next repeer sends another
+                self._pending_hello.pop(session, None)
             self._warn(log, identity, "%s: cannot HELLO %s again: %s", self.engine_id, identity, exc)
 
     def _heartbeat(self) -> None:

@@ -148,10 +148,16 @@ class PrefillEngine(EngineBase):
         self.control.send(msg.reply_to, ack)
         with self.lock:
             old = self.peers.get(identity)
+            # A new peering starts afresh: epochs (the decode offers 1 again after a restart; the same
+            # decode peering again continues past its old ones), and the sender's per-peering state
+            # (META replay check, destinations held): a decode restarted under the same engine id counts
+            # its generations from 1 again. Nothing of the old peering arrives after this HELLO: its
+            # messages came on the same ordered socket before it, or on one that ended.
             peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, page_size=msg.page_size,
-                         geometry=msg.geometry, epoch=old.epoch if old else 0, last_seen=time.monotonic())
+                         geometry=msg.geometry, last_seen=time.monotonic())
             self.peers[identity] = peer
             self._forgotten.pop(identity, None)
+            self.sender.forget_peer(identity, "its decode started another peering (a new HELLO)")
         if old is not None and old.control != peer.control:
             self._release_control(old.control)  # peering again from another address: the old socket goes
         if old is not None and old.link is not None:
@@ -202,8 +208,9 @@ class PrefillEngine(EngineBase):
         return ""
 
     def _forget_peer(self, peer: _Peer, why: str) -> None:
-        """Drop ``peer`` from the table: its link is retired and its control socket closed. A decode that
-        comes back must HELLO again."""
+        """Drop ``peer`` from the table: its link is retired, its control socket closed, and the sender's
+        state of its peering dropped (:meth:`Sender.forget_peer`: its META replay entry, destinations
+        held for it). A decode that comes back must HELLO again."""
         with self.lock:
             if self.peers.get(peer.engine) is not peer:
                 return
@@ -214,6 +221,7 @@ class PrefillEngine(EngineBase):
             self._forgotten[peer.engine] = [peer.control, 0.0]
             while len(self._forgotten) > max(1024, self.config.max_peers):
                 self._forgotten.popitem(last=False)
+            self.sender.forget_peer(peer.engine, f"the prefill forgot the peering: {why}")
         if link is not None:
             self._retire(link, f"peer forgotten: {why}")
         self._release_control(peer.control)

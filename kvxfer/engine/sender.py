@@ -488,6 +488,10 @@ class Sender:
 
     # control messages from receivers ---------------------------------------------------------------
     def on_meta(self, peer: str, msg: m.Meta) -> None:
+        """A receiver's destination for request ``msg.rid``. Replay protection is per peering: a META
+        whose generation is not after the newest one ``peer`` sent in its current peering
+        (``meta_gen_seen``) is refused (``stale_meta``); a new peering starts afresh
+        (:meth:`forget_peer`), since a decode restarted under the same engine id counts from 1 again."""
         with self.lock:
             newest = self.meta_gen_seen.get(peer, 0)
             if msg.gen <= newest:
@@ -495,10 +499,14 @@ class Sender:
                 # is a replay (or a buggy peer); binding it would aim writes at an old generation.
                 self.stats["stale_meta"] += 1
                 self._error(peer, msg, StaleGeneration(
-                    f"META generation {msg.gen} is not after {newest}, the newest from this peer: replayed",
-                    rid=msg.rid, generation=msg.gen))
+                    f"META generation {msg.gen} is not after {newest}, the newest from peer {peer!r} in this "
+                    "peering: replayed", rid=msg.rid, generation=msg.gen))
                 return
             self.meta_gen_seen[peer] = msg.gen
+            # Every key of this peering's generations is at most ``newest``: one at msg.gen is a request
+            # of a peering that ended (a decode restarted under the same engine id): it goes, so that
+            # this peering's ABORT or RESULT for msg.gen never finds it.
+            self.by_gen.pop((peer, msg.gen), None)
             remembered = self.peer_rejections.get(msg.rid)
             if remembered is not None and remembered[2] == peer and remembered[0].gen < msg.gen:
                 # The decode rejected an older attempt and now reserved pages for a new one.
@@ -530,6 +538,43 @@ class Sender:
                     f"META for a request already in state {req.state.value}", rid=msg.rid, generation=msg.gen))
                 return
             self._bind_meta(req, peer, msg)
+
+    def forget_peer(self, peer: str, why: str) -> dict[str, int]:
+        """End what this sender keeps of ``peer``'s peering: the engine forgot the peer, or a new HELLO
+        from it starts another peering (a decode restarted under the same engine id counts its
+        generations from 1 again, and may name the same request ids). Afterwards:
+
+        * ``meta_gen_seen`` has no entry for ``peer``: replay protection belongs to one peering, and the
+          table holds at most the peers the engine holds;
+        * ``by_gen`` entries of ``peer`` are left where they are (the table holds up to HISTORY_LIMIT
+          entries of every peer: scanning it per forgotten peer would hold the lock for milliseconds
+          each, in a restart storm for seconds); :meth:`on_meta` drops the one a new peering's META
+          reuses, before that META is held or bound, so no message of the new peering finds a request
+          of an old one;
+        * no destination (META) from ``peer`` is held for a request not admitted here: it names pages of
+          a peering that ended. Each becomes a remembered rejection of generation 0 for that id, so its
+          admission fails at once naming ``peer`` (any META of the next peering supersedes it).
+
+        Returns how many entries of each table went."""
+        with self.lock:
+            if self.meta_gen_seen.pop(peer, None) is None:
+                return {"meta_gen_seen": 0, "pending_meta": 0}  # no META this peering: nothing of it is held
+            held = 0
+            for rid, entries in list(self.pending_meta.items()):
+                kept = [e for e in entries if e[0] != peer]
+                if len(kept) == len(entries):
+                    continue
+                held += len(entries) - len(kept)
+                if kept:
+                    self.pending_meta[rid] = kept
+                else:
+                    del self.pending_meta[rid]
+                if rid not in self.peer_rejections and len(self.peer_rejections) < self.max_pending_meta:
+                    gone = m.Reject(rid=rid, gen=0, reason="connection",
+                                    detail=f"decode {peer}'s destination for it is gone: {why}"[:4000])
+                    self.peer_rejections[rid] = (gone, self._clock() + self.meta_timeout, peer)
+            self._pending_bytes.pop(peer, None)
+            return {"meta_gen_seen": 1, "pending_meta": held}
 
     def _hold_meta(self, peer: str, msg: m.Meta) -> None:
         """A destination for a request not admitted here (yet): answered at once if this prefill already

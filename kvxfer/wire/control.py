@@ -15,8 +15,9 @@ cannot speak under another engine's name. Without a keyring the plane is open, a
 An answer to a peer the engine does not keep (a refused HELLO) goes out once on a socket of its own
 without the engine's identity (:meth:`ControlPlane.send_once`): the socket is closed as soon as the
 message is queued and lingers at most :data:`ONCE_LINGER_MS` to deliver it; at most :data:`MAX_ONCE`
-such answers per :data:`ONCE_WINDOW_S`. The engine closes the sockets of addresses no peer uses any
-more (:meth:`ControlPlane.retain`), so what a stranger names cannot pile up sockets.
+such answers per :data:`ONCE_WINDOW_S`. Each engine closes the sockets of addresses no peer uses any
+more (the prefill with :meth:`ControlPlane.retain`, the decode with :meth:`ControlPlane.forget` once no
+peer or pending HELLO uses them), so what a stranger names cannot pile up sockets on either role.
 
 Invariants: sockets are closed exactly once (``close()`` is idempotent); nothing here interprets a
 message, it only moves bytes; with a keyring no message from an unauthenticated peer is delivered.
@@ -231,6 +232,12 @@ class ControlPlane:
         """Per-peer sockets this plane holds toward others, for bookkeeping and tests."""
         with self._out_lock:
             return len(self._out)
+
+    def addresses(self) -> frozenset[str]:
+        """The addresses this plane holds a per-peer socket to (the engine closes those it no longer
+        uses: :meth:`forget`, :meth:`retain`)."""
+        with self._out_lock:
+            return frozenset(self._out)
 
     def receive(self, timeout_ms: int) -> list[tuple[str, bytes]]:
         """Messages that arrived within ``timeout_ms`` (control thread only)."""

@@ -156,9 +156,10 @@ def test_an_open_control_plane_binds_loopback_only_unless_told_otherwise(caplog)
                                   "KVXFER_ALLOW_OPEN_CONTROL": "1"}).allow_open_control is True
     # told explicitly: it starts, and says so
     caplog.set_level(logging.WARNING, logger="kvxfer")
-    config = EngineConfig(max_context=16 * PAGE_TOKENS, host="0.0.0.0", allow_open_control=True)
-    with PrefillEngine(make_layout(16), config) as engine:
-        assert engine.address.startswith("tcp://0.0.0.0:")
+    config = EngineConfig(max_context=16 * PAGE_TOKENS, host="0.0.0.0", allow_open_control=True,
+                          advertise_host="127.0.0.1")
+    with PrefillEngine(make_layout(16), config) as engine:  # binds every interface, advertises what peers reach
+        assert engine.address.startswith("tcp://127.0.0.1:")
     assert any("allow_open_control" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 

@@ -23,6 +23,7 @@ from ..errors import ConfigError, EngineClosed, KvxferError, NotPeered, PeerErro
 from ..transport import registry
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
+from ..wire.addresses import advertised_host
 from ..wire.control import ControlPlane
 from .config import EngineConfig
 from .events import EventLog
@@ -80,8 +81,9 @@ class EngineBase:
         self.pool = PagePool(layout, alloc_policy=config.alloc_policy, free_policy=config.free_policy,
                              seed=config.seed)
         self.events = EventLog(self.engine_id, self.role)
+        self.advertised_host = advertised_host(config.host, config.advertise_host)
         self.control = ControlPlane(self.engine_id, host=config.host, port=config.control_port,
-                                    keyring=config.load_keyring())
+                                    keyring=config.load_keyring(), advertise=self.advertised_host)
         self.address = self.control.address
         self.counters: Counter[str] = Counter()
         self.metrics: EngineMetrics | None = None

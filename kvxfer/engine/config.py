@@ -62,7 +62,10 @@ class EngineConfig:
     # per-transport options nested by transport name, {"verbs": {"device": "rxe0"}}; a value may also be
     # the option dataclass itself (kvxfer.transport.options); see options()
     transport_options: dict[str, Any] = field(default_factory=dict)
-    host: str = "127.0.0.1"  # address the control socket (and tcp's data socket) binds and advertises
+    host: str = "127.0.0.1"  # address the control socket (and tcp's data socket) binds; 0.0.0.0 / ::: every one
+    # the address peers are told (control and tcp data); None: ``host``, or with a wildcard ``host`` this
+    # host's one non-loopback address (several or none: refused, name it here); kvxfer.wire.addresses
+    advertise_host: str | None = None
     control_port: int = 0  # control socket port (0: any free port)
     data_port: int = 0  # tcp data socket port (0: any free port)
     allow_undersized_pool: bool = False  # start although the pool holds fewer tokens than max_context (warns)
@@ -85,8 +88,12 @@ class EngineConfig:
     max_ordered_body: int = 2 << 20  # largest ORDERED frame body (DONE with its 1 MiB aux), refused before reading
     # control plane (anyone who reaches it can send; these bound what a peer can make an engine hold):
     allow_open_control: bool = False  # without a keyring, bind a non-loopback host anyway (warns); else refused
+    # decode without a keyring: the prefills it may connect to, comma-separated hosts, host:port or CIDRs
+    # ("198.18.0.0/15,10.0.0.7:5555"); loopback is always allowed. With a keyring the keys decide, and a list
+    # given here must match too. An address outside it is refused before any socket is opened.
+    trusted_prefills: str = ""
     max_peers: int = 256  # prefill: peers held at once; a HELLO beyond it is refused unless a dead peer makes room
-    peer_expiry: float = 300.0  # prefill: a peer silent this long (at least peer_timeout) is forgotten, socket closed
+    peer_expiry: float = 300.0  # a peer silent this long (at least peer_timeout) is forgotten, its socket closed
     result_timeout: float = 120.0  # prefill: RESULT must follow DONE within this, else the request fails
     max_pending_meta_bytes: int = 64 << 20  # prefill: bytes of destination page lists held per peer (pending)
     # engine adapters (SGLang, vLLM): send each layer as the forward computes it, where the destination is
@@ -246,6 +253,11 @@ class EngineConfig:
                 "that reaches it could peer with this engine. Give it a keyring (keyring=, KVXFER_KEYRING; "
                 "`kvxfer keygen`) or, to run it unauthenticated anyway, set allow_open_control=True "
                 "(KVXFER_ALLOW_OPEN_CONTROL=1)")
+        from ..wire.addresses import advertised_host
+        from ..wire.trust import PeerAllowlist
+
+        advertised_host(self.host, self.advertise_host)  # a wildcard with no single address to tell peers
+        PeerAllowlist.parse(self.trusted_prefills)
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting as plain data (option dataclasses as dicts): ``EngineConfig(**d)`` rebuilds it."""

@@ -14,6 +14,7 @@ from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, Tra
 from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
+from ..wire.trust import PeerAllowlist
 from .base import ORDERED_MESSAGES, EngineBase
 from .config import EngineConfig
 from .reads import KVRead
@@ -52,6 +53,7 @@ class DecodeEngine(EngineBase):
         self.receiver.guard.on_refused = self._write_refused
         self.receiver.guard.requires_final = self.capabilities.requires_final
         self._pending_hello: dict[bytes, dict[str, Any]] = {}
+        self._trusted = PeerAllowlist.parse(config.trusted_prefills)
         self._next_retain = 0.0  # when _tick next closes control sockets nothing uses
         self._unused_control: set[str] = set()  # addresses whose socket was unused at that pass
         hooks = ReceiverHooks(on_connect=self._on_data_connect, on_ordered=self.receiver.on_ordered,
@@ -70,6 +72,7 @@ class DecodeEngine(EngineBase):
         talk to before sending anything: :class:`PeerError` naming the address) also closes the control
         socket to ``prefill_address`` unless a peer or another pending HELLO uses it."""
         self._check_open()
+        self._check_trusted(prefill_address)
         session = secrets.token_bytes(16)
         hello = self._hello(session)
         with self.lock:
@@ -142,6 +145,7 @@ class DecodeEngine(EngineBase):
         rid = check_rid(rid)
         if not isinstance(reason, str) or not isinstance(detail, str) or not isinstance(prefill_address, str):
             raise InvalidArgument("reason, detail and prefill_address must be strings", rid=rid)
+        self._check_trusted(prefill_address)
         with self.lock:
             gen = self.receiver.new_generation()
             peered = any(p.control == prefill_address for p in self.receiver.peers.values())
@@ -163,6 +167,17 @@ class DecodeEngine(EngineBase):
                 self._release_control(prefill_address)
             raise
         return gen
+
+    def _check_trusted(self, address: Any) -> None:
+        """Refuse (:class:`PeerError` naming it, nothing opened) an address this decode does not trust
+        (:mod:`kvxfer.wire.trust`): callers name addresses clients gave them."""
+        if not isinstance(address, str):
+            raise PeerError(f"a prefill address is a string tcp://host:port, got {type(address).__name__}")
+        try:
+            self._trusted.check(address, keyed=self.control.keyring is not None)
+        except PeerError:
+            self.counters["untrusted_addresses"] += 1
+            raise
 
     def _add_detached_hello(self, session: bytes, address: str, until: float) -> None:
         """Record a HELLO to ``address`` nobody waits for (under the lock): kept until its answer comes

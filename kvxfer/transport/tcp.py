@@ -219,6 +219,7 @@ class TcpReceiver(ReceiverBackend):
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise: str | None = None,
         on_connect: Callable[[m.Connect], Any],
         on_ordered: Callable[[Any, m.Message], None],
         on_closed: Callable[[Any, str], None],
@@ -249,9 +250,13 @@ class TcpReceiver(ReceiverBackend):
         self._dst = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
-        self._listener = socket.create_server((host, port), backlog=64)
+        bind = host.strip("[]") if host not in ("", "*") else "0.0.0.0"
+        self._listener = socket.create_server((bind, port), backlog=64,
+                                              family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
         self._listener.setblocking(False)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        shown = advertise or host  # what writers connect to (kvxfer.wire.addresses): never a wildcard
+        port = self._listener.getsockname()[1]
+        self.address = f"[{shown}]:{port}" if ":" in shown and not shown.startswith("[") else f"{shown}:{port}"
         self._lock = threading.Lock()
         self._conns: dict[Any, _Inbound] = {}
         self._pending: set[_Inbound] = set()  # HANDSHAKE connections (the accept thread's)
@@ -1037,7 +1042,11 @@ def _options(config: Any) -> TcpOptions:
 
 
 def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverHooks) -> TcpReceiver:
-    return TcpReceiver(layout, guard, host=config.host, port=config.data_port, on_connect=hooks.on_connect,
+    from ..wire.addresses import advertised_host
+
+    return TcpReceiver(layout, guard, host=config.host, port=config.data_port,
+                       advertise=advertised_host(config.host, getattr(config, "advertise_host", None)),
+                       on_connect=hooks.on_connect,
                        on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, on_event=hooks.on_event,
                        checksum=config.checksum, staging=_options(config).staging,
                        max_connections=config.max_data_connections, connect_timeout=config.connect_timeout,

@@ -74,7 +74,9 @@ class ControlPlane:
     Moves encoded messages only; with a keyring, only authenticated peers' messages are delivered."""
 
     def __init__(self, engine_id: str, *, host: str = "127.0.0.1", port: int = 0,
-                 keyring: Keyring | None = None) -> None:
+                 keyring: Keyring | None = None, advertise: str | None = None) -> None:
+        """Bind ``host`` (``port``, or any free one); ``address`` names ``advertise`` (default ``host``),
+        what peers connect to (:mod:`kvxfer.wire.addresses`)."""
         self.engine_id = engine_id
         self.keyring = keyring
         self.events: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=10_000)
@@ -109,7 +111,9 @@ class ControlPlane:
         except zmq.ZMQError:
             self._shutdown_sockets()
             raise
-        self.endpoint = f"tcp://{host}:{port}"
+        shown = advertise or host
+        self.endpoint = f"tcp://[{shown}]:{port}" if ":" in shown and not shown.startswith("[") else \
+            f"tcp://{shown}:{port}"
         self.address = keyring.address(self.endpoint) if keyring is not None else self.endpoint
         self._bound: dict[str, bytes] = {}  # routing identity -> the client key it authenticated with
         self._out: dict[str, tuple[zmq.Socket, threading.Lock]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import time
 from typing import Any
@@ -26,6 +27,13 @@ log = logging.getLogger("kvxfer.engine")
 # nobody answers from cannot grow the table without bound
 MAX_DETACHED_HELLOS = 1024
 RETAIN_INTERVAL_S = 1.0  # how often _tick closes control sockets no peer or pending HELLO uses
+# Offering the next data connection after one ended: at once (REOFFER_MIN_S) after a connection that had
+# lived STABLE_CONNECTION_S; after each that did not, twice as long, up to REOFFER_MAX_S, each delay drawn
+# within +-50% (jitter: many decodes cut off together do not all dial back at once). A peer silent past
+# peer_timeout gets no offer until it is heard from again.
+REOFFER_MIN_S = 0.05
+REOFFER_MAX_S = 5.0
+STABLE_CONNECTION_S = 5.0
 
 class DecodeEngine(EngineBase):
     """The receiving role: reserves pages, lands verified writes, gates reads.
@@ -333,6 +341,7 @@ class DecodeEngine(EngineBase):
             info.epoch = msg.epoch
             info.conn = conn
             info.ready = True
+            info.connected_at = time.monotonic()
             self.receiver.changed.notify_all()
 
     def _on_data_connect(self, msg: m.Connect) -> Any:
@@ -352,6 +361,7 @@ class DecodeEngine(EngineBase):
             info.epoch = msg.epoch
             info.conn = (msg.engine, msg.epoch)
             info.ready = True
+            info.connected_at = time.monotonic()
             self.receiver.changed.notify_all()
             return info.conn
 
@@ -370,16 +380,58 @@ class DecodeEngine(EngineBase):
         self._reoffer_soon(conn)
 
     def _reoffer_soon(self, conn: Any) -> None:
-        """After connection ``conn`` ended: offer the next epoch from the control thread."""
+        """After connection ``conn`` ended: offer the next epoch from the control thread, after a
+        backoff that grows while connections end young (see :data:`REOFFER_MIN_S`)."""
         with self.lock:
             info = self.receiver.peers.get(conn[0])
             if info is None or self._closed:
                 return
+            now = time.monotonic()
             if info.epoch == conn[1] and info.offered <= info.epoch:  # the live connection ended
+                lived = now - info.connected_at if info.connected_at else 0.0
+                info.short_lived = 0 if lived >= STABLE_CONNECTION_S else info.short_lived + 1
                 info.conn = None
-                info.reoffer_at = time.monotonic() + 0.05
+                info.connected_at = 0.0
+                info.reoffer_at = now + self._offer_delay(info)
             elif info.offered == conn[1] and info.epoch < conn[1]:  # the pending offer died before CONNECT
-                info.reoffer_at = time.monotonic() + 0.05
+                info.short_lived += 1
+                info.reoffer_at = now + self._offer_delay(info)
+
+    @staticmethod
+    def _offer_delay(info: PeerInfo) -> float:
+        """The wait before the next offer to ``info``'s writer: exponential in its short-lived connections
+        in a row, with jitter."""
+        if info.short_lived <= 0:
+            return REOFFER_MIN_S
+        base = min(REOFFER_MIN_S * (2 ** min(info.short_lived, 16)), REOFFER_MAX_S)
+        return base * random.uniform(0.5, 1.5)
+
+    def forget(self, peer: str, reason: str = "forgotten by the caller") -> bool:
+        """Drop prefill ``peer``: its data connection is fenced (its requests settle), an offer not yet
+        taken is withdrawn, and its entry and control socket go. A prefill that comes back is peered
+        with by :meth:`connect` again. Returns whether it was known. Also done by the control thread to
+        a prefill silent for ``peer_expiry`` (at least ``peer_timeout``)."""
+        self._check_open()
+        return self._forget(peer, reason)
+
+    def _forget(self, peer: str, reason: str) -> bool:
+        with self.lock:
+            info = self.receiver.peers.pop(peer, None)
+            if info is None:
+                return False
+            conn, pending = info.conn, (info.offered if info.offered > info.epoch else None)
+            info.conn, info.ready, info.reoffer_at = None, False, None
+            for session in [k for k, e in self._pending_hello.items() if e.get("peer") == peer]:
+                del self._pending_hello[session]
+            self.receiver.changed.notify_all()
+        if conn is not None:
+            if not self.fence(conn, f"peer {peer} forgotten: {reason}", offer=False):
+                self.receiver.on_connection_closed(conn, f"peer {peer} forgotten: {reason}")
+        if pending is not None:
+            self.transport.withdraw(peer, pending)
+        self._release_control(info.control)
+        self._event("peer_forgotten", counter="peers_forgotten", peer=peer[:200], why=reason[:500])
+        return True
 
     def fence(self, conn: Any, reason: str, *, offer: bool = True) -> bool:
         """Fence a data connection: after this returns nothing from it can land. Never under lock.
@@ -407,16 +459,26 @@ class DecodeEngine(EngineBase):
             self._retain_control()
         dead = []
         offers = []
+        expired = []
+        expiry = max(self.config.peer_expiry, self.config.peer_timeout)
         with self.lock:
             for info in self.receiver.peers.values():
-                if info.reoffer_at is not None and now >= info.reoffer_at:
+                silent = now - info.last_seen
+                if silent > expiry:
+                    expired.append((info.engine, silent))
+                    continue
+                if silent > self.config.peer_timeout:
+                    pass  # no offer to a writer cut off: _note_alive offers when it is heard from again
+                elif info.reoffer_at is not None and now >= info.reoffer_at:
                     offers.append(info.engine)
                 elif (info.conn is None and info.offered > info.epoch
                       and now - info.offered_at > self.config.peer_timeout):
                     offers.append(info.engine)  # the OFFER went unanswered: a fresh one
-                if info.ready and now - info.last_seen > self.config.peer_timeout:
+                if info.ready and silent > self.config.peer_timeout:
                     info.ready = False
                     dead.append(info)
+        for name, silent in expired:
+            self._forget(name, f"silent for {silent:.1f} s (peer_expiry {expiry:g} s)")
         for name in offers:
             self._offer(name)
         for info in dead:
@@ -464,7 +526,11 @@ class DecodeEngine(EngineBase):
     def _note_alive(self, identity: str) -> None:
         info = self.receiver.peers.get(identity)
         if info is not None:
-            info.last_seen = time.monotonic()
+            now = time.monotonic()
+            if now - info.last_seen > self.config.peer_timeout and info.conn is None:
+                # heard from again after a silence (a partition healed): offer a data connection soon
+                info.reoffer_at = now + self._offer_delay(info)
+            info.last_seen = now
             if info.conn is not None:
                 info.ready = True
 

@@ -26,6 +26,7 @@ log = logging.getLogger("kvxfer.engine")
 # what a refused HELLO says to a peer the keyring did not authenticate (the reason is in this engine's log)
 HELLO_REFUSED = "peering refused by the prefill engine (its log says why)"
 CONNECT_THREADS = 4  # threads opening data connections for every peer
+CLOSE_THREADS = 4  # threads closing links the control thread retired (a close may wait for a stalled send)
 RECEIVER_CLOSED = "the receiver"  # how a link's end reads when the decode closed its end (lanes' watcher)
 
 @dataclass
@@ -79,6 +80,10 @@ class PrefillEngine(EngineBase):
         # a few threads for every peer, not one per peer
         self._connectors = concurrent.futures.ThreadPoolExecutor(max_workers=CONNECT_THREADS,
                                                                  thread_name_prefix="kvxfer-prefill-connect")
+        # closes links off the control thread: closing a link to a peer that stopped reading (a partition, a
+        # hung process) waits for its sending lane to give up, and no other peer may wait for that
+        self._closers = concurrent.futures.ThreadPoolExecutor(max_workers=CLOSE_THREADS,
+                                                              thread_name_prefix="kvxfer-prefill-close")
         self.transport: SenderTransport = self._open_transport(lambda: self.transport_factory.sender(layout, config))
         self._start()
 
@@ -262,6 +267,14 @@ class PrefillEngine(EngineBase):
         """Settle the requests on ``link`` and close it (or hand it to the test hooks)."""
         self.sender.on_connection_closed(link, reason)
         if not self.hooks.retire_link(link):
+            self._close_later(link)
+
+    def _close_later(self, link: SenderLink) -> None:
+        """Close ``link`` without flushing, on a closing thread: the caller (often the control thread)
+        never waits for it. Its writes are reported failed as it ends (its requests settle then)."""
+        try:
+            self._closers.submit(link.close, flush=False)
+        except RuntimeError:  # the engine is closing: the pool takes no more, close it here
             link.close(flush=False)
 
     def _on_offer(self, peer: _Peer, msg: m.Offer) -> None:
@@ -395,7 +408,7 @@ class PrefillEngine(EngineBase):
             self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
             self._warn(log, "dead", "%s: peer %s silent: dead", self.engine_id, peer.engine)
             if peer.link is not None:
-                peer.link.close(flush=False)
+                self._close_later(peer.link)
         for peer in expired:
             why = (f"it closed its data connection {now - peer.link_lost_at:.1f} s ago and has said nothing since"
                    if peer.link_lost_at and peer.last_seen < peer.link_lost_at else
@@ -443,6 +456,7 @@ class PrefillEngine(EngineBase):
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
         self._connectors.shutdown(wait=True, cancel_futures=True)  # a link still opening is closed below
+        self._closers.shutdown(wait=True)  # the retired links' closes finish before the transport goes
         for peer in list(self.peers.values()):
             if peer.link is not None:
                 peer.link.close(flush=False)

@@ -105,6 +105,8 @@ class PeerInfo:
     offered_at: float = 0.0
     reoffer_at: float | None = None  # offer the next epoch at this time (after a connection ended)
     repeer_after: float = 0.0  # a HELLO again (the writer forgot us, or its control connection closed) not before
+    connected_at: float = 0.0  # when the current data connection came up (0: none yet)
+    short_lived: int = 0  # data connections in a row that ended within STABLE_CONNECTION_S: the offer backoff
 
     @property
     def attached(self) -> bool:

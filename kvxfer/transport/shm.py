@@ -999,11 +999,13 @@ class ShmLink(FrameLink):
         self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
-        """Stop the link. With ``flush`` queued frames are put into the ring first; idempotent."""
+        """Stop the link. With ``flush`` queued frames are put into the ring first (for up to 10 s);
+        without, a link not ended within half a second is aborted (a writer waiting for room the reader
+        never makes); idempotent."""
         self._begin_close(flush)
         if self._serving is threading.current_thread():
             return  # called back from this link's own step (on_closed): it ends when the step returns
-        if not self._ended.wait(10):  # waiting for room the reader never makes: give up
+        if not self._ended.wait(10 if flush else 0.5):  # waiting for room the reader never makes: give up
             self._abort = True
             self._abort_word[0] = 1
             self._ended.wait(5)

@@ -123,10 +123,28 @@ def parse_address(address: Any) -> tuple[str, int]:
 _TCP_CORK = getattr(socket, "TCP_CORK", None)  # Linux: hold partial segments until uncorked (at most 200 ms)
 
 
+# A data connection whose peer went silent (a partition, a host gone) fails by itself instead of sitting
+# in TCP's retransmission backoff, where a blocked send holds a sending lane for up to 15 minutes: data
+# unacknowledged for UNACKED_MAX_S fails it (TCP_USER_TIMEOUT), and an idle one is probed (keepalive) from
+# KEEPALIVE_IDLE_S of silence and dropped KEEPALIVE_PROBES x KEEPALIVE_INTERVAL_S later.
+UNACKED_MAX_S = 10
+CUT_AFTER_S = 0.5  # close(flush=False): a link not ended by then has its socket shut down
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_PROBES = 5
+
+
 def _tune(sock: socket.socket) -> None:
     """No delayed small frames; socket buffers left to the kernel's autotuning, which grows them past
-    what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max) and is disabled once they are set."""
+    what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max) and is disabled once they are set; liveness
+    bounds (:data:`UNACKED_MAX_S`, keepalive) where the platform has them."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_USER_TIMEOUT", UNACKED_MAX_S * 1000), ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -995,11 +1013,13 @@ class TcpLink(FrameLink):
         self._report_closed(reason)
 
     def close(self, *, flush: bool = True) -> None:
-        """Stop the link. With ``flush`` queued frames are sent first; idempotent."""
+        """Stop the link. With ``flush`` queued frames are sent first (for up to 10 s); without, the
+        socket is cut if the link has not ended within :data:`CUT_AFTER_S` (a lane blocked sending
+        to a peer that stopped reading, or cut off); idempotent."""
         self._begin_close(flush)
         if self._serving is threading.current_thread():
             return  # called back from this link's own step (on_closed): it ends when the step returns
-        if not self._ended.wait(10):
+        if not self._ended.wait(10 if flush else CUT_AFTER_S):
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)  # a lane blocked sending to a peer that stopped reading
             except OSError:

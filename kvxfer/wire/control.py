@@ -19,6 +19,15 @@ such answers per :data:`ONCE_WINDOW_S`. Each engine closes the sockets of addres
 more (the prefill with :meth:`ControlPlane.retain`, the decode with :meth:`ControlPlane.forget` once no
 peer or pending HELLO uses them), so what a stranger names cannot pile up sockets on either role.
 
+Liveness of the connections themselves (:func:`keep_alive`): every socket pings its peer over ZMTP
+every :data:`PING_IVL_MS` and drops a connection that carried nothing for :data:`PING_TIMEOUT_MS`
+(a silent partition leaves a TCP connection in retransmission backoff, minutes long, that would
+otherwise carry the first message after the network heals); a DEALER then dials again every
+:data:`RECONNECT_IVL_MS` (up to :data:`RECONNECT_IVL_MAX_MS`), giving up each dial after
+:data:`DIAL_TIMEOUT_MS`, so a healed link carries messages again within about two seconds. What a
+dropped connection had in flight is lost, as on any control link that fails: every exchange that
+matters has its own timeout in the roles.
+
 Invariants: sockets are closed exactly once (``close()`` is idempotent); nothing here interprets a
 message, it only moves bytes; with a keyring no message from an unauthenticated peer is delivered.
 """
@@ -46,6 +55,28 @@ _MAX_BOUND = 65536
 ONCE_LINGER_MS = 1000  # a one-off answer's socket, closed at once, delivers for at most this long
 ONCE_WINDOW_S = 1.0
 MAX_ONCE = 1024  # one-off answers per ONCE_WINDOW_S; more are not sent (a flood of strangers)
+# the control connections' own liveness (ZMTP heartbeats and dialling; see the module docstring)
+PING_IVL_MS = 1000
+PING_TIMEOUT_MS = 3000  # a connection silent this long (no ping answered) is dropped, and dialled again
+RECONNECT_IVL_MS = 200
+RECONNECT_IVL_MAX_MS = 1000
+DIAL_TIMEOUT_MS = 1000  # a TCP connect not established by then is abandoned and tried again
+UNACKED_MAX_MS = 5000  # TCP_USER_TIMEOUT: data unacknowledged this long fails the connection
+
+
+def keep_alive(sock: zmq.Socket, *, dialler: bool) -> None:
+    """ZMTP heartbeats on ``sock`` (both ends of a control connection) and, on a ``dialler`` (a DEALER),
+    quick redials: a connection that stalls is dropped within :data:`PING_TIMEOUT_MS` and the next
+    dial after the network heals succeeds within about :data:`DIAL_TIMEOUT_MS` +
+    :data:`RECONNECT_IVL_MAX_MS`."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, PING_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PING_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, PING_TIMEOUT_MS)
+    sock.setsockopt(zmq.TCP_MAXRT, UNACKED_MAX_MS)  # TCP_USER_TIMEOUT on Linux
+    if dialler:
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, DIAL_TIMEOUT_MS)
 
 
 class _Gatekeeper(ThreadAuthenticator):
@@ -94,6 +125,7 @@ class ControlPlane:
         # receives (answers go out on DEALERs), so handing the id over redirects no reply; with a
         # keyring each message is still checked against the key its id is bound to (_authenticated).
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        keep_alive(self._router, dialler=False)
         if keyring is not None:
             self._gate = _Gatekeeper(self._ctx, keyring, self._denied)
             self._gate.start()
@@ -170,6 +202,7 @@ class ControlPlane:
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, hwm)
+            keep_alive(sock, dialler=True)
             sock.setsockopt(zmq.IMMEDIATE, 0)
             sock.connect(endpoint)
         except zmq.ZMQError as exc:

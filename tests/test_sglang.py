@@ -533,3 +533,90 @@ def test_a_layer_sent_from_other_pages_than_sglangs_send_fails_the_request_and_s
         sender.failure_exception()
     assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Failed
     assert decode.mgr.engine.status(room).state.value not in ("READABLE", "RELEASED")
+
+
+# -- issue 42: authenticated control planes --------------------------------------------------------------
+
+
+def _keyed_ranks(monkeypatch, tmp_path, tiny_model, prefill_ring: str, decode_ring: str | None):
+    """A bootstrap server, a prefill rank and a decode rank, each given its keyring directory the way a
+    deployment gives it (``KVXFER_KEYRING``, read when the rank's manager is built); None: no keyring."""
+    port = free_ports(1)[0]
+    server = get_kv_class(BACKEND, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    ranks = []
+    try:
+        for mode, ring in ((DisaggregationMode.PREFILL, prefill_ring), (DisaggregationMode.DECODE, decode_ring)):
+            if ring is None:
+                monkeypatch.delenv("KVXFER_KEYRING", raising=False)
+            else:
+                monkeypatch.setenv("KVXFER_KEYRING", str(tmp_path / ring))
+            ranks.append(Rank(mode, 16, port, context=16 * PAGE, model=tiny_model))
+    except BaseException:
+        for rank in ranks:
+            rank.close()
+        server.close()
+        raise
+    return server, ranks[0], ranks[1]
+
+
+def test_with_keyrings_the_registry_carries_the_prefills_key_and_the_transfer_verifies(monkeypatch, tmp_path,
+                                                                                       tiny_model):
+    """Issue 42: SGLang's registry keeps rank_ip/rank_port only, so a decode with a keyring (what kvxfer
+    requires off loopback) was handed the prefill's address without its key and refused it: every request
+    failed. The prefill now registers its whole address, the registry hands it out, the decode peers."""
+    from kvxfer.wire.auth import write_cluster
+
+    write_cluster(tmp_path, ["prefill", "decode"])
+    server, prefill, decode = _keyed_ranks(monkeypatch, tmp_path, tiny_model, "prefill", "decode")
+    try:
+        import requests
+
+        entry = requests.get(f"http://{prefill.bootstrap_addr}/route?prefill_dp_rank=0&prefill_cp_rank=0"
+                             "&target_tp_rank=0&target_pp_rank=0", timeout=5).json()
+        assert entry["kvxfer_address"] == prefill.mgr.engine.address and "#curve=" in entry["kvxfer_address"]
+        room = 4242
+        src, dst = np.array([1, 2, 3], dtype=np.int64), np.array([7, 8, 9], dtype=np.int64)
+        prefill.fill(src, seed=3)
+        sender, receiver = _bootstrap(prefill, decode, room, src, dst, aux=(1, 2))
+        sender.send(src.astype(np.int32), None)
+        assert _poll_until(receiver, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert _poll_until(sender, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        for got, want in zip(decode.page_bytes(dst), prefill.page_bytes(src)):
+            assert np.array_equal(got, want)
+        assert [p.control for p in decode.mgr.engine.receiver.peers.values()] == [prefill.mgr.engine.address]
+        receiver.clear()
+        sender.clear()
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
+@pytest.mark.parametrize("decode_ring", ["stranger", None], ids=["key-not-trusted", "no-keyring"])
+def test_a_prefill_the_decode_does_not_trust_fails_the_request_at_once_and_opens_nothing(monkeypatch, tmp_path,
+                                                                                          tiny_model, decode_ring):
+    """A decode whose keyring does not hold the prefill's key (or that has no keyring, so cannot check a
+    keyed address) fails the request at ``init`` with the reason, within a second: no wait for a timeout,
+    and no socket toward the prefill."""
+    from kvxfer.wire.auth import write_cluster
+
+    write_cluster(tmp_path, ["prefill", "decode"])
+    write_cluster(tmp_path / "other", ["stranger"])
+    ring = None if decode_ring is None else f"other/{decode_ring}"
+    server, prefill, decode = _keyed_ranks(monkeypatch, tmp_path, tiny_model, "prefill", ring)
+    try:
+        receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
+                                                                bootstrap_room=77)
+        assert decode.mgr.try_ensure_parallel_info(decode.bootstrap_addr)
+        t0 = time.monotonic()
+        receiver.init(prefill_dp_rank=0)
+        assert receiver.poll() == KVPoll.Failed and time.monotonic() - t0 < 1.0
+        why = "not in this engine's keyring" if decode_ring else "give this engine a keyring"
+        with pytest.raises(KVTransferError, match=why) as err:
+            receiver.failure_exception()
+        assert prefill.mgr.engine.address.split("#")[0] in str(err.value) or "127.0.0.1" in str(err.value)
+        assert decode.mgr.engine.control.open_sockets() == 0 and not decode.mgr.engine.receiver.peers
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()

@@ -13,6 +13,12 @@ the one vLLM op SGLang's CPU path imports. The prefill pool (256 tokens) is smal
 
 Each server runs in its own process group; teardown ends every group and asserts nothing is left.
 kvxfer's Prometheus endpoints (KVXFER_METRICS_PORT) show what each engine's ledger holds.
+
+The prefill and decode servers run as a deployment across hosts runs them (issue 42): each with its own
+keyring (``kvxfer keygen``'s directories, ``KVXFER_KEYRING``), kvxfer bound to this host's non-loopback
+address (``KVXFER_HOST``, which kvxfer refuses without a keyring) where it has one. Every transfer here
+goes over an authenticated control plane; the prefills register their keyed addresses in SGLang's
+bootstrap registry, which hands them to the decodes.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
 pytest.importorskip("sglang_router", reason="sglang-router not installed (python3 tools/install_sglang.py)")
 
+from kvxfer.wire.addresses import local_addresses  # noqa: E402
+from kvxfer.wire.auth import Keyring, write_cluster  # noqa: E402
+
 from .sglang_env import CPU_FLAGS, HERE, Server, free_ports, group_members, make_tiny_llama, request_json, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -42,6 +51,26 @@ CONTEXT, PREFILL_POOL, PAGE = 1024, 256, 16
 PREFIX = "the quick brown fox jumps over a lazy dog and the kv cache transfer "
 PROMPTS = [PREFIX + "prefill", PREFIX + "decode server router", PREFIX + "engine page token layer attention",
            "model request stream batch", "hello", PREFIX * 4 + "tensor", PREFIX + "prefill"]
+
+
+KEYED = ("prefill", "decode", "prefill-tp2", "decode-tp2", "decode-page8", "prefill-b", "decode-b")
+
+
+def kvxfer_host() -> str:
+    """Where the kvxfer engines bind: this host's first non-loopback IPv4 address that accepts a connection
+    from here (what a deployment across hosts binds), else loopback."""
+    for address in local_addresses():
+        if ":" in address:
+            continue
+        try:
+            with socket.socket() as server:
+                server.bind((address, 0))
+                server.listen(1)
+                socket.create_connection(server.getsockname(), timeout=2).close()
+        except OSError:
+            continue
+        return address
+    return "127.0.0.1"
 
 
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1",  # else SGLang asserts about NUMA nodes on this CPU
@@ -98,6 +127,15 @@ class Cluster:
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60",
                    KVXFER_LAYERWISE="1", KVXFER_LAYERWISE_MIN_TOKENS="0")
         env.pop("KVXFER_TEST_FAULTS", None)
+        # `kvxfer keygen <dir> prefill decode ...`: one keyring per kvxfer server, all trusting each other
+        self.keys = logs / "keyrings"
+        write_cluster(self.keys, KEYED)
+        self.kvxfer_host = kvxfer_host()
+
+        def keyed(name: str) -> dict[str, str]:
+            return {"KVXFER_KEYRING": str(self.keys / name), "KVXFER_HOST": self.kvxfer_host,
+                    "KVXFER_METRICS_HOST": "127.0.0.1"}
+
         launch = ["-m", "sglang.launch_server", "--model-path", model, *CPU_FLAGS, "--context-length", str(CONTEXT)]
 
         def common() -> list[str]:
@@ -112,7 +150,7 @@ class Cluster:
                 [*paged(), "--port", str(port), "--max-total-tokens", str(PREFILL_POOL), "--tp", str(tp),
                  "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvxfer",
                  "--disaggregation-bootstrap-port", str(bootstrap)],
-                env=dict(env, KVXFER_ALLOW_UNDERSIZED_POOL="1", KVXFER_METRICS_PORT=str(metrics),
+                env=dict(env, KVXFER_ALLOW_UNDERSIZED_POOL="1", KVXFER_METRICS_PORT=str(metrics), **keyed(name),
                          **(TP2_ENV if tp > 1 else {})), log_dir=logs)
 
         def decode(name: str, port: int, metrics: int, tp: int, page: int = PAGE) -> Server:
@@ -121,7 +159,8 @@ class Cluster:
                 [*common(), "--page-size", str(page), "--port", str(port), "--max-total-tokens", str(4 * CONTEXT),
                  "--tp", str(tp), "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvxfer",
                  "--disaggregation-decode-retraction-backup", "none"],
-                env=dict(env, KVXFER_METRICS_PORT=str(metrics), **(TP2_ENV if tp > 1 else {})), log_dir=logs)
+                env=dict(env, KVXFER_METRICS_PORT=str(metrics), **keyed(name), **(TP2_ENV if tp > 1 else {})),
+                log_dir=logs)
 
         def router(name: str, port: int, prefill_port: int, bootstrap: int, decode_port: int,
                    more_prefills: tuple[tuple[int, int], ...] = (), more_decodes: tuple[int, ...] = ()) -> Server:
@@ -315,6 +354,18 @@ def test_a_greedy_outputs_through_the_router_match_the_reference_token_for_token
                [t[1] for t in ref["meta_info"]["output_token_logprobs"]]
     assert len(results) == 12
     assert not any(_wait_no_transfer_holds(cluster).values())
+
+
+def test_a2_the_registry_hands_the_decodes_each_prefill_ranks_keyed_address(cluster):
+    """Issue 42: SGLang's registry keeps rank_ip/rank_port only; with keyrings the decodes need the key too
+    (they refused the address without it). Each prefill rank registers its whole address beside them."""
+    for name, bootstrap, ranks in (("prefill", cluster.bootstrap_port, 1), ("prefill-tp2", cluster.bootstrap2_port, 2)):
+        key = Keyring.load(cluster.keys / name).address("")  # "#curve=<the server's public key>"
+        for rank in range(ranks):
+            status, entry = request_json("GET", cluster.url(bootstrap) + "/route?prefill_dp_rank=0&prefill_cp_rank=0"
+                                         f"&target_tp_rank={rank}&target_pp_rank=0", timeout=10)
+            assert status == 200, entry
+            assert entry["kvxfer_address"] == f"tcp://{cluster.kvxfer_host}:{entry['rank_port']}{key}", entry
 
 
 def test_b_a_prompt_between_the_prefill_pool_and_the_context_is_refused_with_a_4xx(cluster):

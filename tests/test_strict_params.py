@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvxfer import ReceiverState
 from kvxfer.errors import InvalidArgument
 from kvxfer.integrations.vllm.params import ParamsError, TransferParams, parse
+from kvxfer.wire.auth import split_address
 
 from .conftest import PAGE_TOKENS, wait_for
 
@@ -53,7 +54,11 @@ def _assert_usable(params: TransferParams) -> None:
     assert params.tokens >= 1 and params.block_size >= 1 and params.tp_size == len(params.addresses) >= 1
     for address in params.addresses:
         assert isinstance(address, str) and address.isascii() and address.startswith("tcp://")
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        endpoint, mark, key = address.partition("#")
+        if mark:  # a keyed address: the key the wire reads, 32 bytes (kvxfer.wire.auth.split_address)
+            assert key.startswith("curve=") and re.fullmatch(r"[0-9a-fA-F]{64}", key.removeprefix("curve=")), address
+            assert split_address(address)[1] is not None
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         assert host and re.fullmatch(r"[0-9]+", port) and 1 <= int(port) <= 65535, address
 
 
@@ -86,7 +91,16 @@ _port_text = st.sampled_from(NON_ASCII_DIGITS + ["", "0", "65536", "99999", "1",
     | st.integers(min_value=-10, max_value=70000).map(str)
 _host_text = st.sampled_from(["127.0.0.1", "[::1]", "::1", "[::1", "host name", "", "h\ud800", "ｈｏｓｔ", "[]"]) \
     | _any_text | _with_surrogate
-_address = st.builds(lambda h, p: f"tcp://{h}:{p}", _host_text, _port_text) | json_like
+_hex = st.text(st.sampled_from("0123456789abcdefABCDEF"), min_size=64, max_size=64)
+_key_text = _hex | st.sampled_from(["", "a" * 63, "a" * 65, "g" * 64, "٤" * 64, "ａ" * 64, "a" * 64 + "\n",
+                                    " " + "a" * 63, "a" * 64 + "#curve=" + "a" * 64]) \
+    | st.text(st.sampled_from("0123456789abcdefABCDEF٤ａg# \n"), max_size=70) | _any_text
+_mark = st.sampled_from(["#curve=", "#curve=", "#CURVE=", "#curve", "#", "#key=", "#curve=="])
+_address = st.builds(lambda h, p: f"tcp://{h}:{p}", _host_text, _port_text) \
+    | st.builds(lambda h, p, m, k: f"tcp://{h}:{p}{m}{k}", _host_text, _port_text, _mark, _key_text) | json_like
+_good_endpoint = st.builds(lambda h, p: f"tcp://{h}:{p}",
+                           st.sampled_from(["127.0.0.1", "10.0.0.1", "[::1]", "[fd00::7]", "node-1.example", "h_x"]),
+                           st.integers(min_value=1, max_value=65535))
 
 FIELDS = ["remote_request_id", "remote_engine_id", "kvxfer", "kvxfer.version", "kvxfer.addresses",
           "kvxfer.addresses.0", "kvxfer.tokens", "kvxfer.tp_size", "kvxfer.block_size"]
@@ -126,6 +140,48 @@ def test_parse_of_params_with_one_arbitrary_field_returns_usable_params_or_refus
 @given(_address)
 def test_parse_of_an_arbitrary_address_returns_usable_params_or_refuses(address):
     _parse_or_refuse(_replaced("kvxfer.addresses.0", address))
+
+
+@QUICK
+@given(_good_endpoint, _hex)
+def test_a_keyed_address_parses_as_itself_and_the_wire_reads_its_key(endpoint, key):
+    """Issue 42, finding 6: a prefill with a keyring advertises tcp://host:port#curve=<64 hex digits>; the
+    params parser refused it. Now it is taken as it is, and ``to_json`` names its endpoint."""
+    from kvxfer.core.arguments import split_control_address
+    from kvxfer.core.arguments import split_tcp_endpoint as endpoint_of
+
+    address = f"{endpoint}#curve={key}"
+    params = parse(_replaced("kvxfer.addresses.0", address))
+    assert params.addresses == (address,)
+    _assert_usable(params)
+    host, port = endpoint_of(endpoint)
+    assert split_control_address(address) == (host, port, key)
+    assert split_address(address) == (endpoint, split_address(f"{endpoint}#curve={key.lower()}")[1])
+    out = params.to_json()
+    assert (out["remote_host"], out["remote_port"]) == (host, port) and parse(out) == params
+
+
+@pytest.mark.parametrize("suffix", ["#curve=", "#curve=" + "a" * 63, "#curve=" + "a" * 65, "#curve=" + "g" * 64,
+                                    "#curve=" + "٤" * 64, "#curve=" + "ａ" * 64, "#curve=" + "a" * 64 + "\n",
+                                    "#CURVE=" + "a" * 64, "#curve " + "a" * 64, "#", "#key=" + "a" * 64,
+                                    "#curve=" + "a" * 64 + "#", "#curve=\ud800" + "a" * 63])
+def test_anything_but_curve_and_64_ascii_hex_digits_after_the_endpoint_is_refused(suffix):
+    from kvxfer.core.arguments import split_control_address
+
+    with pytest.raises(ParamsError, match=r"kvxfer\.addresses\[0\]") as err:
+        parse(_replaced("kvxfer.addresses.0", "tcp://10.0.0.1:40123" + suffix))
+    str(err.value).encode("utf-8")
+    with pytest.raises(InvalidArgument, match="kvxfer_address"):
+        split_control_address("tcp://10.0.0.1:40123" + suffix, "kvxfer_address")
+
+
+def test_the_core_and_the_wire_agree_on_the_key_mark():
+    from kvxfer.core.arguments import CONTROL_KEY_HEX, CONTROL_KEY_MARK
+    from kvxfer.wire.auth import KEY_MARK, Keyring
+
+    assert CONTROL_KEY_MARK == KEY_MARK
+    address = Keyring.generate().address("tcp://10.0.0.1:1")
+    assert len(address.split(KEY_MARK)[1]) == CONTROL_KEY_HEX and parse(_replaced("kvxfer.addresses.0", address))
 
 
 @pytest.mark.parametrize("port", NON_ASCII_DIGITS)
@@ -287,3 +343,19 @@ def test_good_sglang_registry_entries():
     assert rank_key({"rank_ip": "10.0.0.1", "rank_port": 40123}) == ("10.0.0.1", 40123)
     assert rank_key({"rank_ip": "node-1", "rank_port": "40123"}) == ("node-1", 40123)
     assert rank_endpoint({"rank_ip": "[::1]", "rank_port": 5}) == "tcp://[::1]:5"
+    keyed = "tcp://[::1]:5#curve=" + "ab" * 32  # what a prefill with a keyring registers beside rank_ip/rank_port
+    assert rank_endpoint({"rank_ip": "[::1]", "rank_port": 5, "kvxfer_address": keyed}) == keyed
+
+
+@pytest.mark.parametrize("address", ["tcp://10.0.0.2:5#curve=" + "ab" * 32, "tcp://10.0.0.1:6", "tcp://10.0.0.1:5#curve=ab",
+                                     "tcp://10.0.0.1:5#x", 5, None])
+def test_a_sglang_registry_entry_whose_kvxfer_address_is_bad_or_names_another_rank_is_refused(address):
+    pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
+    from kvxfer.integrations.sglang.conn import rank_endpoint
+
+    entry = {"rank_ip": "10.0.0.1", "rank_port": 5, "kvxfer_address": address}
+    if address is None:  # an older prefill registered none: its endpoint, unkeyed
+        assert rank_endpoint(entry) == "tcp://10.0.0.1:5"
+        return
+    with pytest.raises(InvalidArgument, match="kvxfer_address"):
+        rank_endpoint(entry)

@@ -20,10 +20,12 @@ from kvxfer.integrations.vllm.outcomes import (
     classify,
     reason_address,
 )
-from kvxfer.integrations.vllm.params import ParamsError, parse
+from kvxfer.integrations.vllm.params import ParamsError, TransferParams, parse
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import engine_config
+from kvxfer.integrations.vllm.trust import PrefillTrust
 from kvxfer.integrations.vllm.worker import WorkerSide
+from kvxfer.wire.auth import Keyring, z85_to_hex
 
 from .conftest import fill_random, make_layout
 
@@ -36,18 +38,24 @@ def request(rid: str, tokens: list[int], params: dict | None, status: str = "FIN
 
 
 class Pair:
-    """A prefill and a decode 'engine' as vLLM would run them: scheduler half + one worker each."""
+    """A prefill and a decode 'engine' as vLLM would run them: scheduler half + one worker each.
 
-    def __init__(self, **config) -> None:
+    ``p_config``/``d_config`` add settings to one side (its keyring, say); ``scheduler_trust=False`` builds
+    the decode's scheduler half without the trust settings, so only its worker's engine checks them."""
+
+    def __init__(self, *, p_config: dict | None = None, d_config: dict | None = None, scheduler_trust: bool = True,
+                 **config) -> None:
         base = dict(heartbeat_interval=0.2, **config)
         self.p_layout, self.d_layout = make_layout(64, page_size=BLOCK), make_layout(64, page_size=BLOCK)
-        self.p_worker = WorkerSide(producer=True, config=engine_config(512, base, 0, environ={}), tp_rank=0)
-        self.d_worker = WorkerSide(producer=False, config=engine_config(512, base, 0, environ={}), tp_rank=0)
+        p_cfg = engine_config(512, {**base, **(p_config or {})}, 0, environ={})
+        d_cfg = engine_config(512, {**base, **(d_config or {})}, 0, environ={})
+        self.p_worker = WorkerSide(producer=True, config=p_cfg, tp_rank=0)
+        self.d_worker = WorkerSide(producer=False, config=d_cfg, tp_rank=0)
         self.p_worker.register(self.p_layout)
         self.d_worker.register(self.d_layout)
         self.p_sched = SchedulerSide(engine_id="p", block_size=BLOCK, tp_size=1, producer=True, consumer=False)
         self.d_sched = SchedulerSide(engine_id=f"d-{id(self)}", block_size=BLOCK, tp_size=1, producer=False,
-                                     consumer=True)
+                                     consumer=True, trust=PrefillTrust.from_config(d_cfg) if scheduler_trust else None)
         self.p_sched.set_addresses({0: SimpleNamespace(address=self.p_worker.address)})
         self.sent: set[str] = set()
         self.received: set[str] = set()
@@ -221,6 +229,170 @@ def test_f_an_unreachable_prefill_is_a_503_naming_its_address(pair):
     assert failure.status == 503 and "tcp://127.0.0.1:9" in failure.text, failure
 
 
+def _sockets_and_refusals(p: Pair) -> tuple[int, int]:
+    """What the decode opened toward prefills, and how many addresses its engine refused as untrusted."""
+    return p.d_worker.engine.control.open_sockets(), p.d_worker.engine.counters["untrusted_addresses"]
+
+
+def _refused_403(p: Pair, rid: str) -> LoadFailure:
+    p.until(lambda: rid in p.received, timeout=5)
+    assert rid in p.failed
+    failure = p.d_sched.reasons.lookup(rid)
+    assert (failure.status, failure.reason) == (403, "untrusted_prefill"), failure
+    return failure
+
+
+def test_g_with_keyrings_params_carry_the_prefills_key_and_the_load_is_verified(pair):
+    """Issue 42, finding 6: with a keyring (what kvxfer requires off loopback) the prefill's address carries
+    its key; request_finished raised ValueError on it (after queuing the send) and parse() refused it."""
+    rings = Keyring.cluster(["prefill", "decode"])
+    p = pair(p_config={"keyring": rings["prefill"]}, d_config={"keyring": rings["decode"]})
+    params = p.prefill("req-k", PROMPT, [5, 6, 7])
+    (address,) = params["kvxfer"]["addresses"]
+    endpoint = p.p_worker.address.split("#")[0]
+    assert address == f"{endpoint}#curve={z85_to_hex(rings['prefill'].public)}"
+    assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+    assert parse(params).addresses == (address,)
+    p.decode("dec-k", PROMPT, params, [20, 21, 22])
+    p.until(lambda: "dec-k" in p.received and "req-k" in p.sent)
+    assert not p.failed and p.d_worker.stats["loaded"] == 1
+    for src, dst in zip(p.p_layout.views(), p.d_layout.views()):
+        assert (src[[5, 6, 7]] == dst[[20, 21, 22]]).all()
+    # the same pair, params naming the prefill without its key or with a key this decode does not trust:
+    # 403 at once, nothing opened; and the real params still serve after them
+    stranger = Keyring.generate("stranger")
+    params = p.prefill("req-k2", PROMPT, [8, 9, 10])
+    before = _sockets_and_refusals(p)
+    for rid, bad in (("dec-nokey", endpoint), ("dec-stranger", stranger.address(endpoint))):
+        t0 = time.monotonic()
+        p.decode(rid, PROMPT, {**params, "kvxfer": {**params["kvxfer"], "addresses": [bad]}}, [30, 31, 32])
+        assert "keyring" in _refused_403(p, rid).text
+        assert time.monotonic() - t0 < 1.0
+    assert p.d_worker.engine.control.open_sockets() == before[0]
+    p.decode("dec-k2", PROMPT, params, [40, 41, 42])
+    p.until(lambda: "dec-k2" in p.received and "req-k2" in p.sent)
+    assert "dec-k2" not in p.failed
+
+
+@pytest.mark.parametrize("scheduler_trust", [True, False], ids=["scheduler-refuses", "engine-refuses"])
+def test_g2_an_address_the_decode_does_not_trust_is_a_403_and_opens_nothing(pair, scheduler_trust):
+    """Issue 42, finding 7: without a keyring the decode connected wherever the params said (a 503 after the
+    attempt). Now the scheduler half refuses it in the request's first step (the workers never see it); the
+    worker's engine refuses it too, before a socket, and that refusal is the same 403."""
+    p = pair(scheduler_trust=scheduler_trust)
+    params = p.prefill("req-u", PROMPT, [1, 2, 3])
+    key = "ab" * 32
+    cases = {"dec-remote": "tcp://198.51.100.7:5555",  # not loopback, not in trusted_prefills
+             "dec-keyed": f"{params['kvxfer']['addresses'][0]}#curve={key}"}  # a key, and no keyring to check it
+    sockets, refusals = _sockets_and_refusals(p)
+    for rid, address in cases.items():
+        t0 = time.monotonic()
+        p.decode(rid, PROMPT, {**params, "kvxfer": {**params["kvxfer"], "addresses": [address]}}, [4, 5, 6])
+        failure = _refused_403(p, rid)
+        assert address[:40] in failure.text and time.monotonic() - t0 < 1.0
+    assert p.d_worker.engine.control.open_sockets() == sockets
+    assert p.d_worker.engine.stats()["requests"].get("admitted", 0) == 0
+    engine_refused = p.d_worker.engine.counters["untrusted_addresses"] - refusals
+    assert engine_refused == (0 if scheduler_trust else 1)  # the keyed one is the control plane's refusal
+    assert p.d_worker.stats["load_failed_untrusted_prefill"] == 2
+    # an open deployment lists its prefills: then the same address passes the check
+    listed = engine_config(512, {"trusted_prefills": "198.51.100.0/24"}, 0, environ={})
+    assert PrefillTrust.from_config(listed).problem("tcp://198.51.100.7:5555") is None
+
+
+def test_c3_a_layout_refusal_comes_first_and_is_told_only_to_trusted_prefills(pair):
+    """Finding 7: a load the decode's layout refuses anyway made rank 0 tell every address the params named
+    (up to 256, each a connection). The size and layout checks run first, and the refusal goes only to
+    addresses the decode trusts: here none, so nothing is opened and the engine is not even asked."""
+    p = pair()
+    params = p.prefill("req-l3", PROMPT, [11, 12, 13])
+    many = [f"tcp://198.51.100.{i % 250 + 1}:{2000 + i}" for i in range(256)]
+    forged = {**params, "kvxfer": {**params["kvxfer"], "tp_size": 256, "addresses": many}}
+    sockets, refusals = _sockets_and_refusals(p)
+    t0 = time.monotonic()
+    p.decode("dec-l3", PROMPT, forged, [54, 55, 56])
+    p.decode("dec-s3", PROMPT + [1], {**forged, "kvxfer": {**forged["kvxfer"], "tp_size": 1, "addresses": many[:1]}},
+             [57, 58, 59])
+    p.until(lambda: {"dec-l3", "dec-s3"} <= p.received, timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert p.d_sched.reasons.lookup("dec-l3").reason == "unsupported_layout"  # the layout, before trust
+    assert p.d_sched.reasons.lookup("dec-s3").reason == "size_mismatch"  # the prompt's size, before trust
+    assert _sockets_and_refusals(p) == (sockets, refusals)
+    assert p.d_worker.stats["refusal_untrusted_skipped"] == 256 and p.d_worker.stats["refused_layout"] == 0
+    assert p.p_worker.engine.status("req-l3").state.value != "FAILED"  # nobody told the real prefill
+
+
+TRUST_CASES = [
+    # (decode's settings, the address: "{p}" is a live-looking loopback port, "{k}" a key the keyring trusts)
+    ({}, "tcp://127.0.0.1:{p}"),
+    ({}, "tcp://198.51.100.7:{p}"),
+    ({}, "tcp://127.0.0.1:{p}#curve={k}"),
+    ({"trusted_prefills": "198.51.100.0/24"}, "tcp://198.51.100.7:{p}"),
+    ({"trusted_prefills": "198.51.100.0/24"}, "tcp://198.51.101.7:{p}"),
+    ({"keyring": True}, "tcp://127.0.0.1:{p}"),
+    ({"keyring": True}, "tcp://127.0.0.1:{p}#curve={k}"),
+    ({"keyring": True}, "tcp://198.51.100.7:{p}#curve={k}"),
+    ({"keyring": True}, "tcp://127.0.0.1:{p}#curve=" + "cd" * 32),
+    ({"keyring": True, "trusted_prefills": "10.0.0.0/8"}, "tcp://198.51.100.7:{p}#curve={k}"),
+    ({"keyring": True, "trusted_prefills": "10.0.0.0/8"}, "tcp://10.1.2.3:{p}#curve={k}"),
+]
+
+
+@pytest.mark.parametrize(("settings", "template"), TRUST_CASES, ids=[f"{sorted(c[0])}-{c[1][6:24]}" for c in TRUST_CASES])
+def test_the_connectors_trust_check_agrees_with_the_engines(settings, template):
+    """PrefillTrust (the scheduler half's check) refuses exactly what the decode engine refuses before
+    opening a socket (DecodeEngine.connect), and never lets through what the engine would refuse."""
+    from kvxfer import DecodeEngine
+    from kvxfer.errors import PeerError
+    from kvxfer.integrations.vllm.trust import refused_by_trust
+
+    rings = Keyring.cluster(["decode", "prefill"])
+    config = dict(settings, keyring=rings["decode"] if settings.get("keyring") else None)
+    engine = DecodeEngine(make_layout(32, page_size=BLOCK), engine_config(512, config, 0, environ={}))
+    try:
+        address = template.format(p=9, k=z85_to_hex(rings["prefill"].public))
+        trusted = PrefillTrust.from_config(engine.config, engine.control.keyring).problem(address) is None
+        with pytest.raises(PeerError) as err:  # nothing answers there: a refusal, or no answer in time
+            engine.connect(address, timeout=0.2)
+        assert refused_by_trust(err.value) == (not trusted), (trusted, str(err.value))
+        assert engine.control.open_sockets() == 0
+    finally:
+        engine.close()
+
+
+def test_keyed_params_round_trip_through_to_json_and_parse():
+    key = "0123456789abcdefABCDEF" + "0" * 42
+    for first, host, port in ((f"tcp://10.0.0.1:40123#curve={key}", "10.0.0.1", 40123),
+                              (f"tcp://[fd00::1]:5#curve={key}", "fd00::1", 5),
+                              ("tcp://node-1.example:65535", "node-1.example", 65535)):
+        params = TransferParams(engine_id="e", request_id="r", addresses=(first, f"tcp://10.0.0.2:1#curve={key}"),
+                                tokens=40, tp_size=2, block_size=16)
+        out = params.to_json()
+        assert (out["remote_host"], out["remote_port"]) == (host, port)
+        assert parse(out) == params
+
+
+def test_request_finished_never_raises_into_vllm_and_queues_nothing_it_cannot_name(monkeypatch):
+    """Finding 6: the send job was queued, then building the params raised into vLLM's scheduler. The params
+    are built first now, and any failure there leaves the request unsent (vLLM frees its blocks)."""
+    sched = SchedulerSide(engine_id="p-order", block_size=BLOCK, tp_size=1, producer=True, consumer=False)
+    keyed = "tcp://10.0.0.1:5000#curve=" + "ab" * 32
+    sched.set_addresses({0: SimpleNamespace(address=keyed)})
+    delay, params = sched.finished(request("req-1", PROMPT, {"do_remote_decode": True}), [1, 2, 3])
+    assert delay and params["kvxfer"]["addresses"] == [keyed] and params["remote_port"] == 5000
+    assert [job.request_id for job in sched.take_jobs().sends] == ["req-1"]
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TransferParams, "to_json", broken)
+    assert sched.finished(request("req-2", PROMPT, {"do_remote_decode": True}), [1, 2, 3]) == (False, None)
+    assert sched.take_jobs().empty() and sched.sending == {"req-1"}
+    for bad in ("tcp://10.0.0.1:5000#curve=abc", "tcp://10.0.0.1:٤٠"):  # a worker reporting what no decode reads
+        with pytest.raises(ConfigError, match="TP rank 0"):
+            sched.set_addresses({0: SimpleNamespace(address=bad)})
+
+
 def test_binding_is_equal_only_for_equal_token_sequences():
     assert prompt_binding([1, 2, 3]) == prompt_binding(np.array([1, 2, 3]))
     assert prompt_binding([1, 2, 3]) != prompt_binding([1, 2, 4])
@@ -267,6 +439,19 @@ STRICT_CASES = [
     ("kvxfer.addresses", ["tcp://h\ud800:5000"], r"kvxfer\.addresses"),
     ("kvxfer.addresses", ["tcp://[::1:5000"], r"kvxfer\.addresses"),
     ("kvxfer.addresses", [5000], r"kvxfer\.addresses"),
+    # issue 42: a key follows the endpoint as #curve= and exactly 64 ASCII hex digits, nothing else
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "a" * 63], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "a" * 65], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "g" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "٤" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "ａ" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve="], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "a" * 64 + "\n"], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#CURVE=" + "a" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#key=" + "a" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:5000#curve=" + "a" * 64 + "#curve=" + "a" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1#curve=" + "a" * 64], r"kvxfer\.addresses"),
+    ("kvxfer.addresses", ["tcp://127.0.0.1:٤٠#curve=" + "a" * 64], r"kvxfer\.addresses"),
     ("kvxfer.version", True, r"kvxfer\.version"),  # True == 1
     ("kvxfer.version", 1.0, r"kvxfer\.version"),
     ("kvxfer.tokens", 3.0, r"kvxfer\.tokens"),
@@ -288,7 +473,9 @@ def test_params_are_parsed_strictly_and_every_refusal_names_the_field(field, val
 
 
 def test_good_params_in_every_accepted_form_parse():
-    for address in ("tcp://127.0.0.1:1", "tcp://node-1.example:65535", "tcp://[::1]:5000"):
+    key = "0123456789abcdefABCDEF" + "f" * 42
+    for address in ("tcp://127.0.0.1:1", "tcp://node-1.example:65535", "tcp://[::1]:5000",
+                    f"tcp://127.0.0.1:1#curve={key}", f"tcp://[::1]:5000#curve={key}"):
         assert parse(_with("kvxfer.addresses", [address])).addresses == (address,)
     assert parse(_with("remote_request_id", "cmpl-é-😀")).request_id == "cmpl-é-😀"
 

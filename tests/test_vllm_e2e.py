@@ -10,6 +10,12 @@ prefill returned. The model is a 2-layer random-weight Llama with head size 32 (
 needs 32 or more) built locally. Each server runs in its own process group; teardown ends every
 group and asserts nothing is left. vLLM's ``/metrics`` (``vllm:kv_cache_usage_perc``) and kvxfer's
 own (``KVXFER_METRICS_PORT``) show what each side still holds.
+
+The kvxfer servers run as a deployment across hosts runs them (issue 42): each with its own keyring
+(``kvxfer keygen``'s directories, ``KVXFER_KEYRING``), bound to this host's non-loopback address
+(``KVXFER_HOST``; kvxfer refuses that without a keyring) where it has one. So every test here goes over an
+authenticated control plane, the params carry the prefill's key, and a decode refuses (HTTP 403) params
+naming a prefill its keyring does not authenticate.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from kvxfer.wire.addresses import local_addresses
+from kvxfer.wire.auth import Keyring, write_cluster
 
 from .conftest import SESSION_MARKER
 from .sglang_env import WORDS, Server, free_ports, make_tiny_llama, request_json, running
@@ -40,11 +49,29 @@ pytestmark = pytest.mark.slow
 BLOCK, CONTEXT, NEW_TOKENS = 32, 512, 12
 META_TIMEOUT, DRAIN_TIMEOUT = 12, 3  # prefill: abandon after; decode: an aborted load's writer proves its drain by
 MODEL = "tiny"
+KEYED = ("prefill", "decode", "decode-recompute")  # the kvxfer servers: each gets its keyring directory
 
 
 def connector(role: str, **more: str) -> str:
     return json.dumps({"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
                        "kv_role": role, **more})
+
+
+def kvxfer_host() -> str:
+    """Where the kvxfer engines bind: this host's first non-loopback IPv4 address that accepts a connection
+    from here (what a deployment across hosts binds), else loopback."""
+    for address in local_addresses():
+        if ":" in address:
+            continue
+        try:
+            with socket.socket() as server:
+                server.bind((address, 0))
+                server.listen(1)
+                socket.create_connection(server.getsockname(), timeout=2).close()
+        except OSError:
+            continue
+        return address
+    return "127.0.0.1"
 
 
 def prompt_of(n_words: int, salt: int = 0) -> str:
@@ -57,6 +84,10 @@ class Cluster:
     def __init__(self, model: str, logs: Path) -> None:
         (self.ref_port, self.prefill_port, self.decode_port, self.recompute_port, self.prefill_metrics,
          self.decode_metrics, self.recompute_metrics) = free_ports(7)
+        # `kvxfer keygen <dir> prefill decode decode-recompute`: one keyring each, all trusting each other
+        self.keys = logs / "keyrings"
+        write_cluster(self.keys, KEYED)
+        self.kvxfer_host = kvxfer_host()
         # the servers get only the settings given here (the session marker stays: it finds leftovers)
         env = {k: v for k, v in os.environ.items()
                if k == SESSION_MARKER or not (k.startswith(("KVXFER_", "VLLM_")) or k == "PYTHONPATH")}
@@ -67,8 +98,10 @@ class Cluster:
                   "--max-num-seqs", "16", "--disable-uvicorn-access-log"]
 
         def server(name: str, port: int, cpu: int, extra: list[str], more_env: dict[str, str]) -> Server:
+            keyed = {"KVXFER_KEYRING": str(self.keys / name), "KVXFER_HOST": self.kvxfer_host,
+                     "KVXFER_METRICS_HOST": "127.0.0.1"} if name in KEYED else {}
             return Server(name, [*common, "--port", str(port), *extra],
-                          env=dict(env, VLLM_CPU_OMP_THREADS_BIND=str(cpu), **more_env), log_dir=logs,
+                          env=dict(env, VLLM_CPU_OMP_THREADS_BIND=str(cpu), **keyed, **more_env), log_dir=logs,
                           executable=str(PYTHON))
 
         self.ref = server("reference", self.ref_port, 0, ["--no-enable-prefix-caching"], {})
@@ -242,6 +275,37 @@ def test_c_swapped_replayed_and_forged_params_are_refused_with_a_4xx_and_a_reaso
     assert status == 400 and "not_admitted" in _message(out), (status, out)
     assert time.monotonic() - t0 < META_TIMEOUT + 10
     assert not any(cluster.wait_nothing_held(META_TIMEOUT + 10).values())
+
+
+def test_a2_the_params_name_the_prefill_by_its_key_off_loopback(cluster):
+    """Issue 42, finding 6: with a keyring the prefill's address carries its key, and writing the params
+    raised in request_finished. Now they carry it, and the decode loads through the authenticated plane."""
+    prompt = prompt_of(50, salt=42)
+    params = cluster.prefill_params(prompt)
+    key = Keyring.load(cluster.keys / "prefill").address("")  # "#curve=<its public key>"
+    (address,) = params["kvxfer"]["addresses"]
+    assert address.endswith(key) and address.startswith(f"tcp://{cluster.kvxfer_host}:"), address
+    assert params["remote_host"] == cluster.kvxfer_host and f":{params['remote_port']}#" in address
+    status, out = cluster.complete(cluster.decode_port, prompt, params=params)
+    assert status == 200 and out["choices"][0]["token_ids"] == cluster.reference(prompt), out
+
+
+def test_c3_params_naming_a_prefill_the_decode_does_not_trust_get_403_at_once(cluster):
+    """Finding 7: the decode connected wherever the params said. Now an address without a key its keyring
+    trusts is refused before anything is opened: HTTP 403 ``untrusted_prefill``, at once."""
+    prompt = prompt_of(45, salt=43)
+    params = cluster.prefill_params(prompt)
+    endpoint = params["kvxfer"]["addresses"][0].split("#")[0]
+    for address in (endpoint, Keyring.generate("stranger").address(endpoint), "tcp://198.51.100.7:5555"):
+        t0 = time.monotonic()
+        status, out = cluster.complete(cluster.decode_port, prompt,
+                                       params={**params, "kvxfer": {**params["kvxfer"], "addresses": [address]}})
+        assert status == 403 and "untrusted_prefill" in _message(out), (address, status, out)
+        assert time.monotonic() - t0 < 5, f"{address}: refused after {time.monotonic() - t0:.1f} s"
+    # the prefill heard of none of that: its params still deliver, once
+    status, out = cluster.complete(cluster.decode_port, prompt, params=params)
+    assert status == 200 and out["choices"][0]["token_ids"] == cluster.reference(prompt), out
+    assert not any(cluster.wait_nothing_held().values())
 
 
 def test_c2_with_the_recompute_policy_refused_kv_is_recomputed_never_used(cluster):

@@ -8,9 +8,10 @@ are exactly as they were.
 
 The integrations and the tcp transport parse what arrives from outside (vLLM's ``kv_transfer_params``,
 SGLang's bootstrap registry, a peer's OFFER) with the same strict rules: :func:`parse_port` (ASCII
-digits only, 1..65535, never ``bool``), :func:`check_host`, :func:`split_host_port` and
-:func:`split_tcp_endpoint`; ids must encode as UTF-8 (:func:`utf8_problem`). They translate the
-:class:`~kvxfer.errors.InvalidArgument` into their own error, naming the field.
+digits only, 1..65535, never ``bool``), :func:`check_host`, :func:`split_host_port`,
+:func:`split_tcp_endpoint` and :func:`split_control_address` (an endpoint with an optional key); ids
+must encode as UTF-8 (:func:`utf8_problem`). They translate the :class:`~kvxfer.errors.InvalidArgument`
+into their own error, naming the field.
 """
 
 from __future__ import annotations
@@ -182,6 +183,33 @@ def split_tcp_endpoint(value: Any, what: str = "address") -> tuple[str, int]:
         return _split(value.removeprefix("tcp://"))
     except InvalidArgument as exc:
         raise InvalidArgument(f"{what} {_shown(value)} is not tcp://host:port: {exc.detail}") from None
+
+
+CONTROL_KEY_MARK = "#curve="  # what separates a keyed control address's endpoint from its key (the wire's KEY_MARK)
+CONTROL_KEY_HEX = 64  # a CurveZMQ public key: 32 bytes, in hex
+_KEY_TEXT = re.compile(r"[0-9A-Fa-f]{64}")  # ASCII only: re's [0-9] takes no other digits
+
+
+def split_control_address(value: Any, what: str = "address") -> tuple[str, int, str | None]:
+    """A control address from outside as ``(host, port, key)``: ``tcp://host:port`` (the endpoint,
+    :func:`split_tcp_endpoint`), optionally followed by ``#curve=`` and exactly 64 ASCII hex digits, the
+    public key of the engine that listens there (an engine with a keyring advertises its address so).
+    ``key`` is those 64 digits as written, or None for an unkeyed address. Anything else after the
+    endpoint (another mark, a short, long or non-ASCII key) is refused, naming ``what``."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} {_shown(value)} is not tcp://host:port[#curve=<64 hex digits>]")
+    endpoint, mark, key = value.partition("#")
+    if mark:
+        if not ("#" + key).startswith(CONTROL_KEY_MARK):
+            raise InvalidArgument(f"{what} {_shown(value)}: after tcp://host:port only {CONTROL_KEY_MARK}<64 hex "
+                                  "digits> may follow")
+        key = key.removeprefix(CONTROL_KEY_MARK[1:])
+        if not _KEY_TEXT.fullmatch(key):
+            got = f"{len(key)} characters" if len(key) != CONTROL_KEY_HEX else "characters that are not all hex digits"
+            raise InvalidArgument(f"{what} {_shown(value)}: the key after {CONTROL_KEY_MARK} must be exactly "
+                                  f"{CONTROL_KEY_HEX} ASCII hex digits, got {got}")
+    host, port = split_tcp_endpoint(endpoint, what)
+    return host, port, key if mark else None
 
 
 MAX_WRITERS = 64

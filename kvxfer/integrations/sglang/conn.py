@@ -7,13 +7,16 @@
   over the rank's KV buffers (one kvxfer buffer per ``kv_data_ptrs`` entry, page ``p`` at
   ``ptr + p * item_len``) moves and verifies the pages. SGLang chooses the pages; kvxfer adopts them
   for a transfer's lifetime. The prefill registers its kvxfer control address in SGLang's bootstrap
-  registry (``rank_ip``/``rank_port``), through Common's own registration.
+  registry (``rank_ip``/``rank_port``), through Common's own registration, and the whole address
+  (with its key, ``#curve=...``, when the engine has a keyring) as ``kvxfer_address`` beside them:
+  a decode with a keyring connects only to an address that carries a key it trusts.
 * :class:`KvxferKVSender` / :class:`KvxferKVReceiver` are ``CommonKVSender`` / ``CommonKVReceiver``
   whose kvxfer request id is the ``bootstrap_room`` (a reused room gets a new kvxfer generation, so an
   old room's messages never touch the new one). Each ``poll()`` first folds the kvxfer request's
   state into Common's status table, then runs Common's poll, so SGLang's bootstrap timeout (prefill)
   and waiting timeout (decode) apply unchanged.
-* :class:`KvxferKVBootstrapServer` is SGLang's own HTTP registry.
+* :class:`KvxferKVBootstrapServer` is SGLang's own HTTP registry, which also keeps and hands out each
+  rank's ``kvxfer_address``.
 
 The schedulers' contract, and how it is kept (SGLang 0.5.23's prefill.py and decode.py):
 
@@ -46,6 +49,9 @@ The schedulers' contract, and how it is kept (SGLang 0.5.23's prefill.py and dec
   cannot serve, a peering refused for its layout) it tells the prefill ranks of the request at once
   (:meth:`~kvxfer.DecodeEngine.refuse`), so their half fails within a second instead of at SGLang's
   bootstrap timeout.
+* Trust: the decode's engine refuses, before opening anything, a prefill address it does not trust
+  (with a keyring: one without a trusted key; without one: not loopback and not in
+  ``KVXFER_TRUSTED_PREFILLS``). The request then fails at ``init`` with that reason; it never waits.
 
 Refused at startup, naming the setting: DP attention or ``--dp-size`` above 1, context or pipeline
 parallelism, decode-side context parallelism, hybrid state buffers, the decode radix cache
@@ -58,12 +64,14 @@ describe (draft-model KV).
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import time
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
@@ -73,7 +81,7 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from ...core.arguments import check_host, parse_port, shown, split_tcp_endpoint
+from ...core.arguments import check_host, parse_port, shown, split_control_address, split_tcp_endpoint
 from ...core.geometry import fanout
 from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
@@ -107,10 +115,23 @@ def rank_key(info: Any) -> tuple[str, int]:
     return ip, parse_port(port, "rank_port")
 
 
+REGISTRY_ADDRESS = "kvxfer_address"  # a registry entry's whole kvxfer control address (keyed with a keyring)
+
+
 def rank_endpoint(info: Any) -> str:
-    """``tcp://rank_ip:rank_port`` of a registry entry (:func:`rank_key`)."""
+    """The kvxfer control address of a registry entry: its ``kvxfer_address`` when it has one (a kvxfer
+    prefill registers it, with its key when it has a keyring), which must name the entry's own
+    ``rank_ip``/``rank_port``; else ``tcp://rank_ip:rank_port`` (:func:`rank_key`). Strict
+    (:func:`split_control_address`): InvalidArgument names the field."""
     ip, port = rank_key(info)
-    return f"tcp://{ip}:{port}"
+    address = info.get(REGISTRY_ADDRESS) if isinstance(info, dict) else None
+    if address is None:
+        return f"tcp://{ip}:{port}"
+    host, at, _key = split_control_address(address, REGISTRY_ADDRESS)
+    if (host.lower(), at) != (check_host(ip).lower(), port):
+        raise InvalidArgument(f"{REGISTRY_ADDRESS} {shown(address)} does not name the entry's rank_ip:rank_port "
+                              f"{shown(ip)}:{port}")
+    return address
 
 
 def rank_text(info: Any) -> str:
@@ -244,8 +265,14 @@ class KvxferKVManager(CommonKVManager):
     def register_to_bootstrap(self) -> None:
         endpoint = self.engine.address.split("#", 1)[0]
         _, port = split_tcp_endpoint(endpoint, "this engine's kvxfer control address")  # strict, as the decode reads it
+        split_control_address(self.engine.address, "this engine's kvxfer control address")
         self.local_ip, self.rank_port = endpoint.removeprefix("tcp://").rpartition(":")[0], port
         super().register_to_bootstrap()
+
+    def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
+        """Common's PUT of this rank's registry entry, with the whole kvxfer address (its key included)
+        beside ``rank_ip``/``rank_port``: :class:`KvxferKVBootstrapServer` keeps it for the decodes."""
+        super()._register_topology_row(url, {**payload, REGISTRY_ADDRESS: self.engine.address})
 
     # decode: prefill discovery, peering and failures ---------------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -327,15 +354,19 @@ class KvxferKVManager(CommonKVManager):
         """The live kvxfer peer of a prefill rank (``rank_ip``/``rank_port`` from the registry),
         peering with it first if needed; None (and the reason logged) when it cannot be reached."""
         try:
-            key = rank_key(info)
+            key, address = rank_key(info), rank_endpoint(info)
         except InvalidArgument as exc:
             log.warning("prefill rank %s: %s", rank_text(info), exc)
+            try:
+                self.peering_error[rank_key(info)] = exc.detail
+            except InvalidArgument:
+                pass
             return None
         peer = self.live_peer(info)
         if peer is not None:
             return peer
-        try:
-            peer = self.engine.connect(f"tcp://{key[0]}:{key[1]}", timeout=10.0)
+        try:  # an address this decode does not trust is refused here, before anything is opened
+            peer = self.engine.connect(address, timeout=10.0)
         except KvxferError as exc:
             log.warning("prefill rank %s:%s: %s", *key, exc)
             self.peering_error[key] = exc.detail
@@ -766,4 +797,42 @@ class _Both:
 
 
 class KvxferKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's own bootstrap registry: kvxfer prefill ranks register their control addresses."""
+    """SGLang's own bootstrap registry: kvxfer prefill ranks register their control addresses.
+
+    SGLang keeps ``rank_ip``/``rank_port`` of each rank; this registry also keeps the ``kvxfer_address`` a
+    kvxfer prefill sends with them (the same endpoint, with the engine's key when it has a keyring) and
+    adds it to the rank's entry it hands a decode. Kept by ``(rank_ip, rank_port)``: a rank registering
+    again (a restarted prefill) replaces it. The decode checks it strictly (:func:`rank_endpoint`) and
+    connects only if it trusts the key; the registry vouches for nothing."""
+
+    MAX_ADDRESS = 512  # characters; a keyed IPv6 address is under 150
+
+    def __init__(self, host: str, port: int) -> None:
+        self._kvxfer_addresses: dict[tuple[str, str], str] = {}  # (rank_ip, rank_port) -> kvxfer address
+        super().__init__(host, port)  # starts serving: the table must exist first
+
+    async def _handle_route_put(self, request: Any) -> Any:
+        response = await super()._handle_route_put(request)
+        if response.status == 200:
+            data = await request.json()  # aiohttp keeps the body: the same JSON Common read
+            address = data.get(REGISTRY_ADDRESS)
+            key = (str(data.get("rank_ip")), str(data.get("rank_port")))
+            async with self.lock:
+                if isinstance(address, str) and len(address) <= self.MAX_ADDRESS:
+                    self._kvxfer_addresses[key] = address
+                else:
+                    self._kvxfer_addresses.pop(key, None)
+        return response
+
+    async def _handle_route_get(self, request: Any) -> Any:
+        response = await super()._handle_route_get(request)
+        if response.status != 200 or getattr(response, "content_type", "") != "application/json":
+            return response
+        entry = json.loads(response.text)
+        if not isinstance(entry, dict) or "rank_ip" not in entry:
+            return response  # the server-wide info, not a rank's entry
+        async with self.lock:
+            address = self._kvxfer_addresses.get((str(entry.get("rank_ip")), str(entry.get("rank_port"))))
+        if address is None:
+            return response
+        return web.json_response({**entry, REGISTRY_ADDRESS: address}, status=200)

@@ -10,7 +10,9 @@ Refused at startup, naming the setting: ``kv_both`` (run one ``kv_producer`` and
 pipeline, data or context parallelism above 1, hybrid (multi-group) KV caches, and prefix caching on the
 decode (kvxfer loads whole prompts; run the decode with ``--no-enable-prefix-caching``). Refused at the
 first request, with HTTP 500 naming both sizes: unequal tensor parallelism or block sizes (the decode
-tells the prefill at once, so the prefill's blocks come back then, not at meta_timeout).
+tells the prefill at once, so the prefill's blocks come back then, not at meta_timeout). A decode connects
+only to prefills it trusts (its keyring, or loopback and ``KVXFER_TRUSTED_PREFILLS`` without one): params
+naming another get HTTP 403 ``untrusted_prefill`` and open nothing (:mod:`.trust`).
 """
 
 from __future__ import annotations
@@ -111,8 +113,14 @@ class KvxferConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
+            trust = None
+            if consumer:  # the workers' trust settings (same variables, same extra config): refused here first
+                from .trust import PrefillTrust
+
+                trust = PrefillTrust.from_config(engine_config(vllm_config.model_config.max_model_len, self.extra, 0))
             self.scheduler = SchedulerSide(engine_id=str(transfer.engine_id), block_size=self.block_size,
-                                           tp_size=self.tp_size, producer=self.producer, consumer=consumer)
+                                           tp_size=self.tp_size, producer=self.producer, consumer=consumer,
+                                           trust=trust)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

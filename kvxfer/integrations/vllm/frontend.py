@@ -4,8 +4,9 @@ vLLM's OpenAI server turns ``finish_reason="error"`` into HTTP 500 "Internal ser
 (``GenerateBaseServing._raise_if_error``). :func:`install` wraps that method in the API server process:
 for an engine whose connector is kvxfer's, it asks the engine's scheduler connector why the request
 failed (:func:`.outcomes.ask_reason`, a local socket, at most one second, only on that error path) and
-raises a 400 (``BadRequestError``, the request's fault) or a 5xx with kvxfer's reason instead. Requests
-kvxfer recorded nothing for keep vLLM's own answer. Idempotent.
+raises a 400 (``BadRequestError``, the request's fault), another 4xx (403 for a prefill the decode does not
+trust: vLLM's ``GracefulHTTPError``, which carries its status) or a 5xx with kvxfer's reason instead.
+Requests kvxfer recorded nothing for keep vLLM's own answer. Idempotent.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def install() -> bool:
     """Wrap ``GenerateBaseServing._raise_if_error`` (True if it is wrapped now)."""
     try:
         from vllm.entrypoints.generate.base import serving
-        from vllm.exceptions import GenerationError, VLLMValidationError
+        from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
     except ImportError as exc:  # another vLLM layout: keep vLLM's 500
         log.warning("kvxfer: cannot map load failures to HTTP statuses in this vLLM: %s", exc)
         return False
@@ -44,6 +45,12 @@ def install() -> bool:
 
     class KvxferRequestRefused(VLLMValidationError):
         """kvxfer refused the request's KV (its params, its prompt): HTTP 400."""
+
+    class KvxferRequestForbidden(GracefulHTTPError):
+        """kvxfer refused the request with a 4xx other than 400 (403: a prefill the decode does not trust)."""
+
+        def __init__(self, message: str, status: int) -> None:
+            super().__init__(message, HTTPStatus(status))
 
     class KvxferLoadFailed(GenerationError):
         """A peer failed to deliver the request's KV: HTTP 5xx with kvxfer's reason."""
@@ -58,8 +65,10 @@ def install() -> bool:
             failure = ask_reason(reason_address(engine_id), request_id) if engine_id else None
             if failure is not None:
                 log.warning("request %s: %s", request_id, failure.message())
-                if 400 <= failure.status < 500:
+                if failure.status == 400:
                     raise KvxferRequestRefused(failure.message(), parameter="kv_transfer_params")
+                if 400 < failure.status < 500:
+                    raise KvxferRequestForbidden(failure.message(), failure.status)
                 raise KvxferLoadFailed(failure.message(), failure.status)
         return original(self, finish_reason, request_id)
 

@@ -7,6 +7,8 @@ load failed and whose fault it is; the API server asks for it when vLLM reports 
 
 * 400: the request is at fault (its ``kv_transfer_params`` are malformed, name KV that was already
   used or never existed, belong to another prompt, or the prompt cannot fit);
+* 403: the params name a prefill this decode does not trust (``untrusted_prefill``, :mod:`.trust`):
+  nothing was opened toward it;
 * 503: a peer failed (the prefill is unreachable, died mid-transfer, or did not deliver in time);
   retrying later may succeed;
 * 502: the prefill delivered KV that did not verify (coverage, bytes or checksum);

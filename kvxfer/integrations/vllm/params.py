@@ -12,6 +12,12 @@ ones (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remo
 
     {"version": 1, "addresses": ["tcp://10.0.0.1:40123", ...one per prefill TP rank],
      "tokens": 517, "tp_size": 1, "block_size": 32}
+
+An address is a kvxfer control address: ``tcp://host:port``, or with a keyring (which kvxfer requires
+off loopback) ``tcp://host:port#curve=<64 hex digits>``, the prefill engine's public key
+(:func:`kvxfer.core.arguments.split_control_address`). ``remote_host`` and ``remote_port`` are the
+first address's endpoint. Parsing says nothing about trust: which prefills a decode connects to is
+:mod:`.trust`'s question, asked after these checks and before any connection.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ...core.arguments import MAX_RID_STR, check_rid, engine_id_problem, shown, split_tcp_endpoint
+from ...core.arguments import MAX_RID_STR, check_rid, engine_id_problem, shown, split_control_address
 from ...errors import InvalidArgument
 
 VERSION = 1
@@ -43,14 +49,22 @@ class TransferParams:
     block_size: int
 
     def to_json(self) -> dict[str, Any]:
-        host, _, port = self.addresses[0].removeprefix("tcp://").rpartition(":")
+        """The params a client carries from the prefill to the decode. Raises :class:`ParamsError` (naming
+        the address) only for an address :func:`parse` would refuse; the prefill's addresses are checked
+        once, when the workers report them (:meth:`SchedulerSide.set_addresses`), so it does not raise
+        there. ``remote_host``/``remote_port`` are the first address's endpoint (brackets and key left out)."""
+        try:
+            host, port, _key = split_control_address(self.addresses[0], "kvxfer.addresses[0]")
+        except (InvalidArgument, IndexError) as exc:
+            raise ParamsError(f"kv_transfer_params cannot name the prefill at {shown(self.addresses[:1])}: "
+                              f"{getattr(exc, 'detail', exc)}") from None
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": self.request_id,
             "remote_host": host,
-            "remote_port": int(port),
+            "remote_port": port,
             "kvxfer": {"version": VERSION, "addresses": list(self.addresses), "tokens": self.tokens,
                        "tp_size": self.tp_size, "block_size": self.block_size},
         }
@@ -86,12 +100,13 @@ def _engine_id(value: Any) -> str:
 
 
 def _addresses(value: Any) -> tuple[str, ...]:
-    """``kvxfer.addresses``: 1..256 control endpoints ``tcp://host:port`` (:func:`split_tcp_endpoint`)."""
+    """``kvxfer.addresses``: 1..256 control addresses, ``tcp://host:port`` with an optional
+    ``#curve=<64 hex digits>`` key (:func:`split_control_address`)."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_RANKS:
         _refuse("kvxfer.addresses", f"must be a list of 1 to {MAX_RANKS} addresses, got {shown(value)}")
     for index, address in enumerate(value):
         try:
-            split_tcp_endpoint(address)
+            split_control_address(address)
         except InvalidArgument as exc:
             _refuse(f"kvxfer.addresses[{index}]", f"is bad: {exc.detail}")
     return tuple(value)

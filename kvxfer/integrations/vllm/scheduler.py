@@ -17,7 +17,14 @@ Invariants:
   report it in ``finished_recving``, which they do only when kvxfer's request is terminal: verified
   and bound to this prompt, or failed/aborted with the writer's drain proof or a fence;
 * a load whose params cannot be used is still handed to the workers, as a failure with its reason,
-  so every failure reaches vLLM the same way (``failed_recving``) and the client gets that reason.
+  so every failure reaches vLLM the same way (``failed_recving``) and the client gets that reason;
+* decode, what is checked before any connection, in this order: the params (400 ``invalid_params``),
+  the prompt's size and the layout (400 ``size_mismatch``, 500 ``unsupported_layout``), then whether
+  this decode trusts every prefill address the params name (:mod:`.trust`: 403 ``untrusted_prefill``).
+  A load refused here opens nothing; only a layout refusal is told to the prefill, and only at the
+  addresses the decode trusts (the workers filter them);
+* prefill: ``request_finished`` builds the client's params before it queues the send, and never
+  raises into vLLM: a request whose params cannot be built is not sent (vLLM frees its blocks at once).
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.arguments import check_rid, shown
-from ...errors import InvalidArgument
+from ...core.arguments import check_rid, shown, split_control_address
+from ...errors import ConfigError, InvalidArgument
 from .binding import prompt_binding
 from .outcomes import LoadFailure, ReasonBook, ReasonServer, reason_address
 from .params import ParamsError, TransferParams, parse
+from .trust import PrefillTrust
 
 log = logging.getLogger("vllm.kvxfer.scheduler")
 
@@ -80,9 +88,12 @@ class SchedulerSide:
     """kvxfer's connector state in vLLM's scheduler (one per engine)."""
 
     def __init__(self, *, engine_id: str, block_size: int, tp_size: int, producer: bool, consumer: bool,
-                 serve_reasons: bool = True) -> None:
+                 serve_reasons: bool = True, trust: PrefillTrust | None = None) -> None:
+        """``trust``: the decode workers' trust settings (:mod:`.trust`), so a load naming a prefill they
+        would refuse is refused here; None leaves that to the workers' engines (the same answer, a step later)."""
         self.engine_id, self.block_size, self.tp_size = engine_id, int(block_size), int(tp_size)
         self.producer, self.consumer = producer, consumer
+        self.trust = trust
         self.addresses: tuple[str, ...] = ()  # prefill: each TP rank's kvxfer engine (handshake metadata)
         self._jobs = StepJobs()
         self.sending: set[str] = set()  # prefill: handed to workers, not yet in finished_sending
@@ -97,7 +108,13 @@ class SchedulerSide:
         ranks = sorted(by_rank)
         if ranks != list(range(self.tp_size)):
             raise RuntimeError(f"kvxfer: handshake metadata from TP ranks {ranks}, expected 0..{self.tp_size - 1}")
-        self.addresses = tuple(str(by_rank[r].address) for r in ranks)
+        addresses = tuple(str(by_rank[r].address) for r in ranks)
+        for rank, address in enumerate(addresses):
+            try:  # what the decode's parser takes: checked once here, so request_finished cannot fail on it
+                split_control_address(address, f"TP rank {rank}'s kvxfer address")
+            except InvalidArgument as exc:
+                raise ConfigError(f"kvxfer: {exc.detail}; a decode could not use it") from None
+        self.addresses = addresses
 
     # decode --------------------------------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -123,6 +140,8 @@ class SchedulerSide:
         job.params, job.failure = self._parse(rid, params)
         if job.failure is None:
             job.failure = self._load_problem(job)
+        if job.failure is None and self.trust is not None:
+            job.failure = self._trust_problem(rid, job.params)
         if job.failure is None and len(job.block_ids) != pages:
             job.failure = LoadFailure(503, "blocks", f"vLLM gave {len(job.block_ids)} blocks for a prompt of "
                                                      f"{tokens} tokens ({pages} blocks of {self.block_size})")
@@ -143,7 +162,19 @@ class SchedulerSide:
             return None, LoadFailure(500, "internal_error", f"kvxfer could not read kv_transfer_params: "
                                                             f"{type(exc).__name__}: {shown(str(exc))}")
 
+    def _trust_problem(self, rid: str, params: TransferParams) -> LoadFailure | None:
+        """403 ``untrusted_prefill`` when the params name an address this decode does not trust (:mod:`.trust`).
+        Like :meth:`_parse`, nothing escapes into vLLM's scheduler: an exception would be a kvxfer bug (500)."""
+        assert self.trust is not None
+        try:
+            return self.trust.refusal(params.addresses)
+        except Exception as exc:
+            log.exception("kvxfer: request %r: checking the prefill addresses failed", rid)
+            return LoadFailure(500, "internal_error", f"kvxfer could not check the prefill addresses: "
+                                                      f"{type(exc).__name__}: {shown(str(exc))}")
+
     def _load_problem(self, job: LoadJob) -> LoadFailure | None:
+        """What refuses the load whatever the prefill holds: the prompt's size, unequal TP or block sizes."""
         params = job.params
         assert params is not None
         if params.tokens != job.tokens:
@@ -185,12 +216,18 @@ class SchedulerSide:
             log.warning("kvxfer: request %s not sent: %s", shown(rid), exc)
             return False, None
         pages = pages_for(tokens, self.block_size)
-        self._jobs.sends.append(SendJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]],
-                                        tokens=tokens, binding=prompt_binding(prompt)))
+        try:  # first the client's params: once the send is queued, nothing here may fail
+            out = TransferParams(engine_id=self.engine_id, request_id=rid, addresses=self.addresses, tokens=tokens,
+                                 tp_size=self.tp_size, block_size=self.block_size).to_json()
+            job = SendJob(request_id=rid, block_ids=[int(b) for b in block_ids[:pages]], tokens=tokens,
+                          binding=prompt_binding(prompt))
+        except Exception as exc:  # a kvxfer bug: this request is not sent, vLLM frees its blocks, vLLM lives on
+            log.error("kvxfer: request %s not sent: its kv_transfer_params could not be built: %s: %s", shown(rid),
+                      type(exc).__name__, shown(str(exc)))
+            return False, None
+        self._jobs.sends.append(job)
         self.sending.add(rid)
-        out = TransferParams(engine_id=self.engine_id, request_id=rid, addresses=self.addresses, tokens=tokens,
-                             tp_size=self.tp_size, block_size=self.block_size)
-        return True, out.to_json()
+        return True, out
 
     def take_jobs(self) -> StepJobs:
         jobs, self._jobs = self._jobs, StepJobs()

@@ -20,7 +20,11 @@ Invariants:
   proof or a fence made kvxfer's request terminal: no late write can land in a block vLLM reuses;
 * a verified load is released in kvxfer at once (free policy ``keep``): the blocks are vLLM's again,
   and they are FREE in kvxfer's ledger when vLLM hands them to the next transfer;
-* peering (which can wait on a dead prefill) runs on the worker's own thread, never in vLLM's step.
+* peering (which can wait on a dead prefill) runs on the worker's own thread, never in vLLM's step;
+* decode: nothing is opened toward an address this decode does not trust (:mod:`.trust`). The engine
+  refuses such an address in :meth:`~kvxfer.DecodeEngine.connect` before any socket, and that refusal
+  answers the load 403 ``untrusted_prefill``, as the scheduler half does when it sees it first; a layout
+  refusal is told only to the prefill addresses this decode trusts.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import ConfigError, KvxferError
 from .outcomes import LoadFailure, classify
 from .scheduler import LoadJob, SendJob, StepJobs
+from .trust import PrefillTrust, refused_by_trust, untrusted
 
 log = logging.getLogger("vllm.kvxfer.worker")
 R, S = ReceiverState, SenderState
@@ -88,6 +93,7 @@ class WorkerSide:
         self.producer, self.config, self.tp_rank, self.tp_size = producer, config, int(tp_rank), int(tp_size)
         self.peer_timeout = peer_timeout
         self.engine: Any = None
+        self.trust: PrefillTrust | None = None  # decode: the engine's trust settings, for what it tells prefills
         self.lock = threading.Lock()
         self.sends: dict[str, SendJob] = {}
         self.posted: set[str] = set()
@@ -104,6 +110,7 @@ class WorkerSide:
             self.engine = PrefillEngine(layout, self.config)
         else:
             self.engine = DecodeEngine(layout, self.config)
+            self.trust = PrefillTrust.from_config(self.config, self.engine.control.keyring)
             self._thread = threading.Thread(target=self._peering, name=f"kvxfer-vllm-peering-{self.tp_rank}",
                                             daemon=True)
             self._thread.start()
@@ -134,7 +141,9 @@ class WorkerSide:
     def _refuse(self, load: LoadJob) -> None:
         """This decode will never take the request's KV (its layout): tell the prefill ranks, so their
         half fails now and vLLM frees its blocks there, instead of at meta_timeout. Rank r tells prefill
-        rank r; rank 0 also those no decode rank matches."""
+        rank r; rank 0 also those no decode rank matches. Only addresses this decode trusts are told
+        (the params are a client's): the others are skipped before the engine sees them, so they cost
+        neither a socket nor a log line each."""
         params = load.params
         if params is None or self.engine is None:
             return
@@ -142,7 +151,13 @@ class WorkerSide:
         mine = [addresses[self.tp_rank]] if self.tp_rank < len(addresses) else []
         if self.tp_rank == 0:
             mine += addresses[self.tp_size:]
-        for address in mine:
+        mine = list(dict.fromkeys(mine))
+        trusted = [a for a in mine if self.trust is None or self.trust.problem(a) is None]
+        if len(trusted) < len(mine):
+            self.stats["refusal_untrusted_skipped"] += len(mine) - len(trusted)
+            log.debug("kvxfer: request %s refused (%s); %d of its %d prefill address(es) are not trusted and are "
+                      "not told", params.request_id, load.failure.reason, len(mine) - len(trusted), len(mine))
+        for address in trusted:
             try:
                 self.engine.refuse(params.request_id, address, reason="unsupported_layout", detail=load.failure.text)
                 self.stats["refused_layout"] += 1
@@ -205,8 +220,11 @@ class WorkerSide:
             return
         address = params.addresses[self.tp_rank]
         try:
-            peer = self._peer(address)
+            peer = self._peer(address)  # the engine refuses an untrusted address before opening anything
         except KvxferError as exc:
+            if refused_by_trust(exc):
+                entry.failure = untrusted(address, str(exc))
+                return
             entry.failure = LoadFailure(503, "prefill_unreachable", f"cannot reach the prefill's kvxfer engine "
                                                                     f"at {address}: {exc}")
             return

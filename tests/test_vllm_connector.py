@@ -293,7 +293,7 @@ def test_g2_an_address_the_decode_does_not_trust_is_a_403_and_opens_nothing(pair
     assert p.d_worker.engine.control.open_sockets() == sockets
     assert p.d_worker.engine.stats()["requests"].get("admitted", 0) == 0
     engine_refused = p.d_worker.engine.counters["untrusted_addresses"] - refusals
-    assert engine_refused == (0 if scheduler_trust else 1)  # the keyed one is the control plane's refusal
+    assert engine_refused == (0 if scheduler_trust else 2)  # both counted by the engine's own check
     assert p.d_worker.stats["load_failed_untrusted_prefill"] == 2
     # an open deployment lists its prefills: then the same address passes the check
     listed = engine_config(512, {"trusted_prefills": "198.51.100.0/24"}, 0, environ={})

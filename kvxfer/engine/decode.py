@@ -15,7 +15,7 @@ from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, Tra
 from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
-from ..wire.trust import PeerAllowlist
+from ..wire.trust import PeerAllowlist, key_problem
 from .base import ORDERED_MESSAGES, EngineBase
 from .config import EngineConfig
 from .reads import KVRead
@@ -182,6 +182,9 @@ class DecodeEngine(EngineBase):
         if not isinstance(address, str):
             raise PeerError(f"a prefill address is a string tcp://host:port, got {type(address).__name__}")
         try:
+            why = key_problem(address, self.control.keyring)
+            if why is not None:
+                raise PeerError(f"refusing to connect to prefill at {address[:200]}: {why}")
             self._trusted.check(address, keyed=self.control.keyring is not None)
         except PeerError:
             self.counters["untrusted_addresses"] += 1

@@ -46,6 +46,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ..errors import PeerError
 from . import messages as m
 from .auth import Keyring, is_loopback, split_address, z85_to_hex
+from .trust import key_problem
 
 log = logging.getLogger("kvxfer.control")
 ZAP_DOMAIN = "kvxfer"
@@ -183,15 +184,9 @@ class ControlPlane:
         """A DEALER connected to ``address`` under routing ``identity`` (CURVE with a keyring); with
         None the peer's ROUTER makes one up for the connection."""
         endpoint, server_key = split_address(address)
-        if self.keyring is None and server_key is not None:
-            raise PeerError(f"{address} requires authenticated peers; give this engine a keyring")
-        if self.keyring is not None:
-            if server_key is None:
-                raise PeerError(f"refusing to connect to {address}: no server key in the address, and "
-                                "this engine only talks to authenticated peers")
-            if not self.keyring.is_trusted(server_key):
-                raise PeerError(f"refusing to connect to {address}: its key is not in this engine's "
-                                "keyring")
+        why = key_problem(address, self.keyring)
+        if why is not None:
+            raise PeerError(f"refusing to connect to {address[:200]}: {why}")
         sock = self._ctx.socket(zmq.DEALER)
         try:
             if self.keyring is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.arguments import check_host, split_host_port, split_tcp_endpoint
 from ..errors import ConfigError, InvalidArgument, PeerError
@@ -43,6 +44,23 @@ def _entry(text: str) -> tuple[str, int | None]:
     except InvalidArgument as exc:
         raise ConfigError(f"trusted_prefills: {text!r} is not a host, host:port or CIDR network ({exc.detail})") \
             from None
+
+
+def key_problem(address: str, keyring: Any) -> str | None:
+    """Why an engine with ``keyring`` (None: without one) will not open a control connection to
+    ``address`` for its key, or None: with a keyring the address must carry a key it trusts (CurveZMQ
+    then authenticates the peer); without one it must carry none (it could not authenticate it)."""
+    _endpoint, key = split_address(address)
+    if keyring is None:
+        if key is not None:
+            return "it requires authenticated peers; give this engine a keyring (KVXFER_KEYRING)"
+        return None
+    if key is None:
+        return ("no server key in the address, and this engine only talks to authenticated peers "
+                "(its keyring, KVXFER_KEYRING)")
+    if not keyring.is_trusted(key):
+        return "its key is not in this engine's keyring"
+    return None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any
 from ...core.arguments import shown
 from ...engine.config import EngineConfig
 from ...errors import KvxferError, PeerError
-from ...wire.auth import Keyring, split_address
-from ...wire.trust import PeerAllowlist
+from ...wire.auth import Keyring
+from ...wire.trust import PeerAllowlist, key_problem
 from .outcomes import LoadFailure
 
 STATUS = 403  # the request names a prefill this decode is not allowed to reach: refused, not retried
@@ -48,19 +48,9 @@ class PrefillTrust:
         """Why this decode will not connect to ``address`` (a control address that passed
         :func:`kvxfer.core.arguments.split_control_address`), or None when it will."""
         try:
-            _endpoint, key = split_address(address)
-        except PeerError as exc:
-            return exc.detail
-        if self.keyring is None and key is not None:
-            return ("it carries a key (#curve=...) but this decode has no keyring (KVXFER_KEYRING), so it "
-                    "cannot authenticate that prefill")
-        if self.keyring is not None:
-            if key is None:
-                return ("it carries no key (#curve=...) and this decode talks only to prefills its keyring "
-                        "(KVXFER_KEYRING) authenticates")
-            if not self.keyring.is_trusted(key):
-                return "its key is not in this decode's keyring (KVXFER_KEYRING)"
-        try:
+            why = key_problem(address, self.keyring)  # the engine's own rules (kvxfer.wire.trust)
+            if why is not None:
+                return why
             self.allowlist.check(address, keyed=self.keyring is not None)
         except PeerError as exc:
             return exc.detail.split(": ", 1)[-1]  # the engine's sentence names the address; ours does below
@@ -85,7 +75,7 @@ def untrusted(address: str, why: str) -> LoadFailure:
 # The engine's refusals (DecodeEngine._check_trusted, ControlPlane._open_dealer), all raised before a
 # socket is opened. PeerError has no reason code, so its sentence is what tells them from a prefill
 # that could not be reached.
-_TRUST_REFUSALS = ("refusing to connect to", "requires authenticated peers")
+_TRUST_REFUSALS = ("refusing to connect to",)
 
 
 def refused_by_trust(exc: KvxferError) -> bool:

@@ -304,3 +304,22 @@ def no_process_left_behind() -> Iterator[None]:
     if left:
         pytest.fail("processes left behind by the test session (now killed): "
                     + "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in sorted(left.items())), pytrace=False)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[Any]:
+    """Two hosts on this machine (:class:`kvxfer.tools.netns.TwoHosts`: two network namespaces joined by a
+    veth, addresses in 198.18.0.0/15); skipped, with the reason, where namespaces cannot be made (not
+    root, no ``ip``/``tc``). Closed after the test, which fails if either namespace is left."""
+    from kvxfer.tools import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"two hosts: {why}")
+    hosts = netns.TwoHosts()
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+    left = set(hosts.namespaces) & set(netns.list_namespaces())
+    assert not left, f"namespaces left behind: {sorted(left)}"

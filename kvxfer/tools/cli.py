@@ -54,22 +54,57 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _stress(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
+    from .netns import NetnsError
     from .stress import ALL_FAULTS, run_stress
 
     faults = {name: args.all_faults for name in ALL_FAULTS} if args.all_faults else {}
-    for item in args.fault or []:
-        name, _, rate = item.partition("=")
-        faults[name.replace("-", "_")] = float(rate)
     try:
-        config = _stress_config(args, faults)
+        for item in args.fault or []:
+            name, _, rate = item.partition("=")
+            faults[name.replace("-", "_")] = _number(rate, f"--fault {item}", "a rate")
+        net_faults = _net_faults(args.net_fault or [])
+        config = _stress_config(args, faults, net_faults)
+        if config.two_hosts:  # checked before any work: root, ip, tc, a namespace with a veth and a filter
+            from .netns import available
+
+            ok, why = available()
+            if not ok:
+                raise ConfigError(f"--two-hosts: {why}")
     except ConfigError as exc:
         print(f"kvxfer stress: {exc}", file=sys.stderr)
         return 2
-    return run_stress(config, json_path=args.json, report_path=args.report,
-                      progress=False if args.no_progress else None)
+    try:
+        return run_stress(config, json_path=args.json, report_path=args.report,
+                          progress=False if args.no_progress else None)
+    except NetnsError as exc:  # the machine refused a namespace or a fault after the check passed
+        print(f"kvxfer stress: --two-hosts: {exc}", file=sys.stderr)
+        return 1
 
 
-def _stress_config(args: argparse.Namespace, faults: dict[str, float]) -> Any:
+def _number(text: str, flag: str, what: str) -> float:
+    """``text`` as a float, or ConfigError naming the flag."""
+    from ..errors import ConfigError
+
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not {what}") from None
+
+
+def _net_faults(items: list[str]) -> list[tuple[str, float]]:
+    """``--net-fault NAME[=SECONDS]`` items as ``(name, seconds)`` (names checked by StressConfig)."""
+    from .stress.workload import DEFAULT_NET_FAULT_SECONDS
+
+    out = []
+    for item in items:
+        name, sep, seconds = item.partition("=")
+        value = _number(seconds, f"--net-fault {item}", "a number of seconds") if sep else DEFAULT_NET_FAULT_SECONDS
+        out.append((name.strip().replace("-", "_"), value))
+    return out
+
+
+def _stress_config(args: argparse.Namespace, faults: dict[str, float],
+                   net_faults: list[tuple[str, float]] | None = None) -> Any:
     from .stress import StressConfig
 
     return StressConfig(
@@ -83,7 +118,8 @@ def _stress_config(args: argparse.Namespace, faults: dict[str, float]) -> Any:
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, kv_heads=args.kv_heads, head_bytes=args.head_bytes,
         prefill_page_size=args.prefill_page_size, decode_page_size=args.decode_page_size,
         prefills=args.prefills, decodes=args.decodes, churn=args.churn, max_joins=args.max_joins,
-        layerwise=args.layerwise,
+        layerwise=args.layerwise, two_hosts=args.two_hosts, net_faults=net_faults or [],
+        net_fault_gap=args.net_fault_gap, net_fault_rounds=args.net_fault_rounds,
     )
 
 
@@ -151,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "one more joins or one leaves cleanly")
     fleet.add_argument("--max-joins", type=int, default=2, metavar="K",
                        help="with churn, at most K processes per role above --prefills / --decodes")
+    hosts = stress.add_argument_group(
+        "two hosts", "the fleet's prefill processes in one network namespace (host a), its decodes in another "
+        "(host b), joined by a veth with addresses in 198.18.0.0/15, over tcp with keyrings; network faults while "
+        "requests run. Needs root, ip and tc; the namespaces are removed afterwards (kvxfer/tools/netns.py)")
+    hosts.add_argument("--two-hosts", action="store_true", help="run the prefills and the decodes on two hosts")
+    hosts.add_argument("--net-fault", action="append", metavar="NAME[=SECONDS]",
+                       help="a fault of the timeline, applied for SECONDS (default 2; a kill: the time before the next "
+                       "fault), the faults in turn with --net-fault-gap seconds of healthy network before each, "
+                       "--net-fault-rounds times, while requests still start: give a --duration (or --requests) that "
+                       "covers the timeline, or the report names the faults that never fired (repeatable; default: "
+                       "none); names: " + ", ".join(_net_fault_names()))
+    hosts.add_argument("--net-fault-gap", type=float, default=0.5, metavar="S",
+                       help="seconds of healthy network before each net fault")
+    hosts.add_argument("--net-fault-rounds", type=int, default=1, metavar="N",
+                       help="times the net faults are played in turn, 0 for as long as requests start (a wire cut "
+                       "again and again faster than TCP's backoff recovers stalls every request)")
     stress.add_argument("--prefill-pages", type=int, default=2048, help="pages in the prefill (writer) pool")
     stress.add_argument("--decode-pages", type=int, default=8192, help="pages in the decode (reader) pool")
     stress.add_argument("--context", type=int, default=None, help="advertised context (default: decode pool)")
@@ -426,6 +478,12 @@ def _fault_names() -> list[str]:
     from .stress.workload import ALL_FAULTS
 
     return list(ALL_FAULTS)
+
+
+def _net_fault_names() -> list[str]:
+    from .stress.workload import NET_FAULTS
+
+    return list(NET_FAULTS)
 
 
 def _version() -> str:

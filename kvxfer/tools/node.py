@@ -13,19 +13,31 @@ the bytes the decode process actually holds, not a status code.
 A node never outlives its parent (:mod:`kvxfer.tools.procs`): it watches the parent's lifeline, and SIGTERM
 or SIGINT (from the parent, a terminal, or the kernel when the parent dies) closes its engine before
 it exits with status 128 + N.
+
+A node can run on another "host": ``spawn(spec, netns=hosts.a)`` starts it inside a network namespace
+of a :class:`kvxfer.tools.netns.TwoHosts` (``ip netns exec`` execs it, so it is still this process's
+child, with the same lifeline). Its engine then binds that host's address (``config["host"]``, unless
+the spec names one), and its RPC socket is a unix socket in a temporary directory of the parent's
+(``NodeSpec.rpc = "ipc"``: a path crosses network namespaces, loopback TCP does not); the directory
+is removed when the client closes, or by the children if the parent dies first. Without ``netns``
+the RPC stays on loopback TCP. :meth:`NodeClient.kill`, :meth:`NodeClient.suspend` and
+:meth:`NodeClient.resume` signal the node process (SIGKILL, SIGSTOP, SIGCONT) for chaos tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -58,6 +70,12 @@ class NodeSpec:
     seed: int = 0
     log_level: str = "WARNING"
     geometry: list[Any] | None = None
+    rpc: str = "tcp"  # "tcp": the RPC socket on loopback; "ipc": a unix socket in rpc_dir (crosses namespaces)
+    rpc_dir: str | None = None  # "ipc": the directory of the socket (spawn makes one when it is None)
+
+
+RPC_KINDS = ("tcp", "ipc")
+_UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its NUL)
 
 
 # the child ---------------------------------------------------------------------------------------
@@ -66,6 +84,9 @@ class NodeSpec:
 class _Node:
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec
+        if spec.rpc not in RPC_KINDS or (spec.rpc == "ipc" and not spec.rpc_dir):
+            raise ConfigError(f"{spec.role} node: rpc must be 'tcp' or 'ipc' with an rpc_dir, got {spec.rpc!r} "
+                              f"(rpc_dir {spec.rpc_dir!r})")
         geometry = KVGeometry.from_wire(spec.geometry) if spec.geometry else None
         self.layout = KVLayout.allocate(
             num_buffers=spec.num_buffers, item_len=spec.item_len, num_pages=spec.num_pages, page_size=spec.page_size,
@@ -86,8 +107,12 @@ class _Node:
         self.ctx = zmq.Context()
         self.rep = self.ctx.socket(zmq.REP)
         self.rep.setsockopt(zmq.LINGER, 0)
-        port = self.rep.bind_to_random_port("tcp://127.0.0.1")
-        self.rpc_address = f"tcp://127.0.0.1:{port}"
+        if spec.rpc == "ipc":
+            self.rpc_address = f"ipc://{os.path.join(spec.rpc_dir or '.', 'rpc')}"
+            self.rep.bind(self.rpc_address)
+        else:
+            port = self.rep.bind_to_random_port("tcp://127.0.0.1")
+            self.rpc_address = f"tcp://127.0.0.1:{port}"
 
     def serve(self) -> None:
         print(json.dumps({"rpc": self.rpc_address, "control": self.engine.address, "engine": self.engine.engine_id,
@@ -374,12 +399,28 @@ def main(argv: list[str] | None = None) -> int:
 # the parent ---------------------------------------------------------------------------------------
 
 
-class NodeClient:
-    """Drives one node process. Calls re-raise the child's kvxfer errors."""
+class RunState(enum.Enum):
+    """The node process as its client left it: running, stopped by :meth:`NodeClient.suspend` (SIGSTOP),
+    or ended (it exited, was killed, or the client closed it)."""
 
-    def __init__(self, spec: NodeSpec, process: subprocess.Popen, info: dict[str, Any], *, timeout: float) -> None:
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    ENDED = "ended"
+
+
+class NodeClient:
+    """Drives one node process. Calls re-raise the child's kvxfer errors.
+
+    Invariants: a suspended node is always resumed before the client stops it (a stopped process
+    would not act on the shutdown call or SIGTERM); the client's RPC directory (``ipc``) is removed
+    when it closes."""
+
+    def __init__(self, spec: NodeSpec, process: subprocess.Popen, info: dict[str, Any], *, timeout: float,
+                 rpc_dir: procs.TempDir | None = None) -> None:
         self.spec = spec
         self.process = process
+        self.run_state = RunState.RUNNING
+        self._rpc_dir = rpc_dir
         self.control = info["control"]
         self.engine_id = info["engine"]
         self.metrics: str | None = info.get("metrics")
@@ -450,10 +491,36 @@ class NodeClient:
         if self.alive():
             self.process.kill()
             self.process.wait(timeout=10)
+        self.run_state = RunState.ENDED
+
+    def suspend(self) -> bool:
+        """SIGSTOP: the process freezes (a hung host: its sockets stay open, nothing answers) until
+        :meth:`resume`; RPC calls meanwhile wait for it. False if it is not running."""
+        if self.run_state is not RunState.RUNNING or not self.alive():
+            return False
+        try:
+            os.kill(self.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return False
+        self.run_state = RunState.SUSPENDED
+        return True
+
+    def resume(self) -> bool:
+        """SIGCONT after :meth:`suspend`; False if it was not suspended (or has ended meanwhile)."""
+        if self.run_state is not RunState.SUSPENDED:
+            return False
+        self.run_state = RunState.RUNNING
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        return self.alive()
 
     def close(self) -> None:
         """Stop the node: the shutdown call, or SIGTERM when that fails or an earlier call went unanswered
-        (the node may still be busy with it); SIGKILL as the last resort (:func:`kvxfer.tools.procs.stop`)."""
+        (the node may still be busy with it); SIGKILL as the last resort (:func:`kvxfer.tools.procs.stop`).
+        A suspended node is resumed first."""
+        self.resume()
         if self.alive():
             answered = False
             if not self._abandoned:
@@ -463,10 +530,13 @@ class NodeClient:
                 except KvxferError:
                     pass
             procs.stop(self.process, grace=10.0 if answered else 0.0)
+        self.run_state = RunState.ENDED
         self._sock.close(0)
         self._ctx.term()
         if self.process.stdout is not None:
             self.process.stdout.close()
+        if self._rpc_dir is not None:
+            self._rpc_dir.cleanup()
 
     def __enter__(self) -> NodeClient:
         return self
@@ -475,16 +545,58 @@ class NodeClient:
         self.close()
 
 
-def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: Any = None) -> NodeClient:
+class NamespaceHost(Protocol):
+    """Where :func:`spawn` may start a node: a :class:`kvxfer.tools.netns.Host` (or anything with its
+    ``argv`` and ``address``)."""
+
+    address: str
+
+    def argv(self, argv: Sequence[str]) -> list[str]: ...
+
+
+def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: Any = None,
+          netns: NamespaceHost | Sequence[str] | None = None) -> NodeClient:
     """Start a node process; raise the child's startup error (e.g. CapacityError) if it refuses.
 
     The node dies with this process (:func:`kvxfer.tools.procs.popen`), and removes this process's
     :class:`kvxfer.tools.procs.TempDir` directories if this process dies first. ``cpus``: the CPUs it
-    runs on (all of them if None)."""
+    runs on (all of them if None). ``netns``: run it inside a network namespace, given as a host of a
+    :class:`kvxfer.tools.netns.TwoHosts` (its engine then binds that host's address unless
+    ``spec.config`` names a ``host``) or as an argv prefix (``["ip", "netns", "exec", NAME]``); its RPC
+    then goes over a unix socket (``rpc="ipc"``)."""
+    prefix: list[str] = []
+    if netns is not None:
+        if hasattr(netns, "argv"):
+            prefix = list(netns.argv([]))  # type: ignore[union-attr]
+            address = getattr(netns, "address", None)
+            if address and "host" not in spec.config:
+                spec = replace(spec, config={**spec.config, "host": address})
+        else:
+            prefix = [str(part) for part in netns]  # type: ignore[union-attr]
+        if spec.rpc == "tcp":
+            spec = replace(spec, rpc="ipc")
+    rpc_dir = None
+    if spec.rpc == "ipc" and not spec.rpc_dir:
+        rpc_dir = procs.TempDir(prefix="kvxfer-rpc-")  # before the child starts: it removes it if we die
+        spec = replace(spec, rpc_dir=rpc_dir.name)
+    try:
+        if spec.rpc == "ipc" and len(os.fsencode(os.path.join(spec.rpc_dir or ".", "rpc"))) > _UNIX_PATH_MAX:
+            path = os.path.join(spec.rpc_dir or ".", "rpc")
+            raise ConfigError(f"{spec.role} node: the RPC socket {path!r} is longer than the {_UNIX_PATH_MAX} bytes "
+                              "a unix socket path may have: set TMPDIR to a shorter directory")
+        return _start(spec, prefix, timeout=timeout, stderr=stderr, cpus=cpus, rpc_dir=rpc_dir)
+    except BaseException:
+        if rpc_dir is not None:
+            rpc_dir.cleanup()
+        raise
+
+
+def _start(spec: NodeSpec, prefix: list[str], *, timeout: float, stderr: Any, cpus: Any,
+           rpc_dir: procs.TempDir | None) -> NodeClient:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     process = procs.popen(
-        [sys.executable, "-m", "kvxfer.tools.node", json.dumps(asdict(spec))],
+        [*prefix, sys.executable, "-m", "kvxfer.tools.node", json.dumps(asdict(spec))],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
@@ -501,6 +613,7 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: An
         raise
     if not line:
         process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        process.stdout.close()
         raise PeerError(f"{spec.role} node exited with status {process.returncode} before it started")
     info = json.loads(line)
     if "error" in info:
@@ -510,7 +623,7 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: An
         exc = cls.__new__(cls)
         KvxferError.__init__(exc, info["error"]["message"])
         raise exc
-    return NodeClient(spec, process, info, timeout=timeout)
+    return NodeClient(spec, process, info, timeout=timeout, rpc_dir=rpc_dir)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ topology (``--prefill-tp``, ``--decode-tp``, page sizes per role) every tensor-p
 own process and decode pages, assembled from head slices, are checked cell by cell (:mod:`.ranks`).
 A fleet (``--prefills``, ``--decodes``, ``--churn``) runs N prefill and M decode processes, each
 decode peered with every prefill, routes each request to a random pair, and kills, restarts, adds and
-retires processes while requests run (:mod:`.fleet`). ``--unsafe-legacy`` switches off admission
+retires processes while requests run (:mod:`.fleet`). ``--two-hosts`` runs the fleet's prefills and
+decodes in two network namespaces joined by a veth (:mod:`kvxfer.tools.netns`), and ``--net-fault``
+cuts, drops or blackholes the wire between them, or kills or stops a process, on a timeline
+(:mod:`.netfaults`). ``--unsafe-legacy`` switches off admission
 rejection, completion verification and deferred release, reproducing the incident's behaviour, as a
 negative control for the oracle.
 """

@@ -24,9 +24,17 @@ engine, which must settle it when the data connection closes. A retired process'
 when it leaves; a killed process's pool dies with it, and the pools it shared requests with must not
 keep a page of them.
 
+On two hosts (``--two-hosts``), the fleet's prefills run in one network namespace and its decodes in
+another (:class:`kvxfer.tools.netns.TwoHosts`, owned by the driver), and the network faults of the
+run's timeline (:mod:`.netfaults`) cut, drop or blackhole the wire between them, or kill or stop a
+process, while requests start. A kill goes through the same path as a churn kill (restart included);
+a request that does not complete while or after a fault was in force during its life is put down to
+that fault. Every fault is undone before the settle, so the pools must end whole as ever.
+
 Invariants of the run: it stops by itself (request count and/or duration, then a bounded settle);
-it only talks to processes it started, on loopback; those processes and its key directory (a
-:class:`kvxfer.tools.procs.TempDir`) do not outlive it, even when it is killed (:mod:`kvxfer.tools.procs`).
+it only talks to processes it started, on loopback or (two hosts) over unix sockets; those
+processes, its key directory (a :class:`kvxfer.tools.procs.TempDir`) and its namespaces do not
+outlive it, even when it is killed (:mod:`kvxfer.tools.procs`; namespaces: :func:`kvxfer.tools.netns.sweep_stale`).
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ from typing import Any
 
 from ...errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from .. import procs
+from ..netns import TwoHosts
 from .fleet import Fleet, Process
+from .netfaults import NetChaos, Window
 from .ranks import Ranks, Route
 from .result import StressResult, pool_totals
 from .workload import RequestPlan, StressConfig, Workload
@@ -117,12 +127,21 @@ class StressDriver:
         self.live: dict[str, Live] = {}
         self.started = 0
         self._t0 = 0.0
+        # two hosts: the namespaces first (nothing else exists yet if they cannot be made)
+        self.hosts: TwoHosts | None = TwoHosts() if config.two_hosts else None
         # one key pair per rank (a respawned writer keeps its rank's key): authenticated control plane
         from ...wire.auth import write_cluster
 
         self._keys = procs.TempDir(prefix="kvxfer-stress-keys-")
         self.keyrings = {p.name: str(p) for p in write_cluster(self._keys.name, config.key_names())}
         self.fleet: Fleet | None = Fleet(config, self.keyrings, node_log) if config.fleet else None
+        self.chaos: NetChaos | None = None
+        if self.hosts is not None:
+            assert self.fleet is not None  # two hosts run a fleet
+            self.fleet.place(self.hosts)
+            if config.net_faults:
+                self.chaos = NetChaos(self.hosts, config.net_faults, config.net_fault_gap, suspend=self._suspend,
+                                      rounds=config.net_fault_rounds)
         self.ranks: Any = self.fleet if self.fleet is not None else Ranks(config, self.keyrings, node_log)
         self._held: RequestPlan | None = None  # a fleet: the next request, waiting for a pair to be up
         # a fleet: requests whose decode died while their prefill half had its destination, by prefill
@@ -132,14 +151,19 @@ class StressDriver:
         self._stopped = False
         self._next_sample = 0.0
         self._next_audit = 0.0
+        self._unpeered_since: float | None = None  # a fleet waiting for a failed pairing to be retried
 
     # the loop --------------------------------------------------------------------------------------
     def run(self) -> StressResult:
         try:
             self.ranks.start()
             self._t0 = time.monotonic()
+            if self.chaos is not None:
+                self.chaos.start()
             while True:
                 now = time.monotonic()
+                if self.chaos is not None:
+                    self._net_tick(now)
                 if self.fleet is not None:
                     self._churn_tick(now)
                 self._start_new(now)
@@ -159,17 +183,28 @@ class StressDriver:
                 self.live = {rid: lv for rid, lv in self.live.items() if lv.phase is not Phase.END}
                 if self._on_progress is not None:
                     self._on_progress(self.result, len(self.live))
+            self._stop_chaos()
             if self.fleet is not None:
                 self._fleet_end()
             self._settle()
         finally:
             self.result.elapsed = time.monotonic() - self._t0 if self._t0 else 0.0
-            if self.fleet is not None:
-                self.result.record_fleet(self.fleet, self.started)
             try:
-                self.ranks.close()
+                self._stop_chaos()
+                if self.chaos is not None:  # its record, with the recoveries seen until the end
+                    self.result.net = self.chaos.summary()
+                    self.result.net_errors = list(self.chaos.errors)
             finally:
-                self._keys.cleanup()
+                if self.fleet is not None:
+                    self.result.record_fleet(self.fleet, self.started)
+                try:
+                    self.ranks.close()
+                finally:
+                    try:
+                        if self.hosts is not None:
+                            self.hosts.close()
+                    finally:
+                        self._keys.cleanup()
         return self.result
 
     def _more(self, now: float) -> bool:
@@ -214,6 +249,13 @@ class StressDriver:
             return False
         if fleet.starting() or fleet.leaving():
             return True
+        if fleet.unpeered():  # a pairing failed (a cut wire): it is tried again, for a while
+            if self._unpeered_since is None:
+                self._unpeered_since = now
+            if now - self._unpeered_since < self.config.settle_timeout:
+                return True
+        else:
+            self._unpeered_since = None
         self.result.accounting_errors.append("no prefill and decode pair left up to route requests to")
         self._held = None
         self._stopped = True  # nothing more starts
@@ -233,6 +275,8 @@ class StressDriver:
             self.result.failures[reason] += 1
         if self.fleet is not None:
             self._count_for_fleet(live, outcome)
+        if self.chaos is not None:
+            self.chaos.note(outcome, live.started)
         if outcome != "completed":
             cause = self._cause(live, outcome, reason)
             self.result.causes[(outcome, cause)] += 1
@@ -259,6 +303,8 @@ class StressDriver:
             return live.fired
         if outcome == "failed" and reason == "checksum" and self.config.faults.get("flip_byte"):
             return "flip_byte"
+        if self.chaos is not None and outcome in ("failed", "aborted"):
+            return self.chaos.cause(live.started)  # a net fault was in force during its life
         return ""
 
     # acting on every rank of a request -------------------------------------------------------------
@@ -489,7 +535,50 @@ class StressDriver:
         else:
             self._kill_decode(victim.seat)
 
-    def _kill_decode(self, d: int) -> None:
+    # two hosts: the net faults' timeline -----------------------------------------------------------
+    def _net_tick(self, now: float) -> None:
+        """Carry out the kills the timeline has due; stop the timeline once every request has started."""
+        chaos = self.chaos
+        assert chaos is not None
+        for role, window in chaos.take_kills():
+            self._net_kill(role, window)
+        if self._held is None and not self._more(now):
+            self._stop_chaos()
+
+    def _stop_chaos(self) -> None:
+        """End the timeline (idempotent): the wire healed, no process left stopped."""
+        if self.chaos is not None:
+            self.chaos.stop()
+
+    def _net_kill(self, role: str, window: Window) -> None:
+        """``kill_prefill`` / ``kill_decode``: SIGKILL the first process of the role that is up (restarted
+        in its seat, as a churn kill is)."""
+        fleet = self.fleet
+        assert fleet is not None
+        up = fleet.up(role)
+        if not up:
+            window.target = "none up"
+            return
+        victim = up[0]
+        window.target = victim.label
+        self.result.net_kills += 1
+        if role == "prefill":
+            self._kill_prefill(victim.seat, window.name)
+        else:
+            self._kill_decode(victim.seat, window.name)
+
+    def _suspend(self, role: str) -> tuple[str, Callable[[], Any]] | None:
+        """``stop_prefill`` / ``stop_decode`` (called on the timeline's thread): SIGSTOP the first process of
+        the role that is up; returns its label and how to resume it."""
+        fleet = self.fleet
+        assert fleet is not None
+        for process in fleet.up(role):
+            node = process.node
+            if node is not None and node.suspend():
+                return process.label, node.resume
+        return None
+
+    def _kill_decode(self, d: int, cause: str = CHURN) -> None:
         """SIGKILL the decode in seat ``d``, start a fresh one. Every request routed to it fails; a
         request's prefill half with no destination yet is stopped (as a router would), one that has
         its destination is left to the prefill engine, which must settle it when the connection closes."""
@@ -499,7 +588,7 @@ class StressDriver:
         for live in self.live.values():
             if live.phase is Phase.END or live.dbound.get(d) != dead:
                 continue
-            live.collateral = self.CHURN
+            live.collateral = cause
             p = live.route.prefills[0]
             if live.phase in (Phase.ADMIT_PREFILL, Phase.ADMIT_DECODE, Phase.WAIT_READY):
                 if live.prefill_admitted:
@@ -548,6 +637,8 @@ class StressDriver:
         fleet = self.fleet
         assert fleet is not None
         fleet.poll_started()
+        if fleet.unpeered():
+            fleet.repeer(now)
         for process in fleet.leaving():
             if self._holds(process) and now - (process.leave_since or now) < self.config.settle_timeout:
                 continue

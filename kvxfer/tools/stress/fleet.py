@@ -15,7 +15,12 @@ Processes come and go while requests run (churn, and ``kill_sender`` in a fleet)
   taken (it must be whole) and it closes cleanly.
 
 Peering always happens on the driver's thread, when a process turns up, so no pair is missed: a
-process coming up peers with every process already up. Every process started here dies with the
+process coming up peers with every process already up. A pairing that fails (the wire between two
+hosts was cut as the process came up) is tried again (:meth:`Fleet.repeer`), once a second.
+
+On two hosts (:meth:`Fleet.place`), every prefill process runs in host a's network namespace and every
+decode process in host b's, each engine bound to its host's address (:func:`kvxfer.tools.node.spawn`
+with ``netns``; the driver reaches them over unix sockets). Every process started here dies with the
 driver (:func:`kvxfer.tools.node.spawn`: started from a background thread it still follows the
 driver's lifeline, :mod:`kvxfer.tools.procs`).
 """
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import KvxferError
+from ..netns import Host, TwoHosts
 from ..node import NodeClient, NodeSpec, spawn
 from .ranks import Route, node_config
 from .workload import ROLES, StressConfig
@@ -108,6 +114,12 @@ class Fleet:
         self.restarts = 0
         self.t0 = time.monotonic()  # the run's start once the first processes are up (times are from it)
         self.startup_s = 0.0  # until every first process was up and peered
+        self.placement: dict[str, Host] = {}  # two hosts: role -> the host its processes run on
+        self._next_repeer = 0.0
+
+    def place(self, hosts: TwoHosts) -> None:
+        """Run every prefill process on host a and every decode process on host b (before :meth:`start`)."""
+        self.placement = {"prefill": hosts.a, "decode": hosts.b}
 
     # what the driver asks of the ranks -------------------------------------------------------------
     @property
@@ -251,9 +263,11 @@ class Fleet:
         self.processes.append(process)
         spec = self.spec(role, seat, incarnation)
 
+        host = self.placement.get(role)
+
         def run() -> None:
             try:
-                process._outcome.append(spawn(spec, stderr=self.node_log))
+                process._outcome.append(spawn(spec, stderr=self.node_log, netns=host))
             except BaseException as exc:  # reported by poll_started
                 process._outcome.append(exc)
 
@@ -304,15 +318,32 @@ class Fleet:
         else:
             pairs = [(process, d) for d in self.up("decode")]
         for prefill, decode in pairs:
-            assert prefill.node is not None and decode.node is not None
-            try:
-                decode.node.connect(address=prefill.node.control)
-            except KvxferError as exc:
-                self.counts["peering_failures"] += 1
-                log.error("%s could not peer with %s: %s", decode.label, prefill.label, exc)
-                continue
-            self.peered.add((prefill.label, decode.label))
-            self.counts["peerings"] += 1
+            self._connect(prefill, decode)
+
+    def _connect(self, prefill: Process, decode: Process, timeout: float = 10.0) -> bool:
+        assert prefill.node is not None and decode.node is not None
+        try:
+            decode.node.connect(address=prefill.node.control, timeout=timeout)
+        except KvxferError as exc:
+            self.counts["peering_failures"] += 1
+            log.error("%s could not peer with %s: %s", decode.label, prefill.label, exc)
+            return False
+        self.peered.add((prefill.label, decode.label))
+        self.counts["peerings"] += 1
+        return True
+
+    def unpeered(self) -> list[tuple[Process, Process]]:
+        """Pairs of processes up that are not peered (their pairing failed)."""
+        return [(p, d) for p in self.up("prefill") for d in self.up("decode") if (p.label, d.label) not in self.peered]
+
+    def repeer(self, now: float, timeout: float = 2.0) -> None:
+        """Try the failed pairings again (at most once a second)."""
+        if now < self._next_repeer:
+            return
+        self._next_repeer = now + 1.0
+        for prefill, decode in self.unpeered():
+            if self._connect(prefill, decode, timeout=timeout):
+                self.counts["repeerings"] += 1
 
     # churn -----------------------------------------------------------------------------------------
     def kill(self, role: str, seat: int, *, restart: bool = True) -> int:

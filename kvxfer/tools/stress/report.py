@@ -62,6 +62,9 @@ def verdict_text(s: dict[str, Any]) -> str:
         problems.append("requests still active at the end")
     if s.get("requests_unaccounted"):
         problems.append(f"{s['requests_unaccounted']:,} requests unaccounted for")
+    net_errors = s.get("net_faults", {}).get("errors") or []
+    if net_errors:
+        problems.append(f"{len(net_errors)} net faults not applied or undone ({net_errors[0]})")
     if not problems:
         return "PASS: no leaked, corrupted or lost pages; no rejected request succeeded; accounting clean"
     return "FAIL: " + "; ".join(problems)
@@ -182,12 +185,31 @@ def topology_text(s: dict[str, Any]) -> str:
     f = s["fleet"]
     cfg = s["topology"]
     kills = f["kills"]["prefill"] + f["kills"]["decode"]
+    by_net = int(f.get("kills_by_net_fault", 0))
+    net_kills = f", {by_net} by net faults" if by_net else ""
     return (f"topology: {cfg['prefills']} prefill x {cfg['decodes']} decode processes of one rank each, every decode "
             f"peered with every prefill; each request to a random (prefill, decode) pair; churn {cfg['churn']:g} per "
-            f"request; processes killed {kills} ({kills - f['kills_by_churn']} by kill_sender), restarted "
-            f"{f['restarts']}, joined {f['joins']}, left {f['leaves']['prefill'] + f['leaves']['decode']}; "
+            f"request; processes killed {kills} ({kills - f['kills_by_churn'] - by_net} by kill_sender{net_kills}), "
+            f"restarted {f['restarts']}, joined {f['joins']}, left {f['leaves']['prefill'] + f['leaves']['decode']}; "
             f"{f['processes_started']} processes in all (the first {cfg['prefills'] + cfg['decodes']} up and peered in "
-            f"{f['startup_s']:.1f} s)")
+            f"{f['startup_s']:.1f} s)" + (f"; {net_text(s)}" if s.get("two_hosts") else ""))
+
+
+def net_text(s: dict[str, Any]) -> str:
+    """Two hosts: where the processes ran and what the net faults did, e.g. "two hosts (prefills on a, decodes
+    on b, tcp over a veth); net faults fired: link_down 2, drop 1; first completion after a fault healed
+    within 0.8 s at most"."""
+    net = s.get("net_faults") or {}
+    text = "two hosts (prefills on a, decodes on b, tcp over a veth)"
+    fired = net.get("fired") or {}
+    if net.get("timeline"):
+        text += "; net faults fired: " + (", ".join(f"{name} {n}" for name, n in fired.items()) or "none")
+        if net.get("never_fired"):
+            text += (f"; never fired (every request had started before): {', '.join(net['never_fired'])}: give "
+                     "--duration to cover the timeline")
+        if net.get("max_recovered_in_s") is not None:
+            text += f"; first completion after a fault ended within {net['max_recovered_in_s']:.1f} s at most"
+    return text
 
 
 def process_table(s: dict[str, Any]) -> Any:

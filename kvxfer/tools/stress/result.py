@@ -4,7 +4,8 @@ The verdict is made from content and accounting only: no leaked or corrupted pag
 no lost page in any pool (every rank's pool whole again after the settle), no rejected request that
 succeeded, clean accounting, everything settled. A fleet adds: every pool of a process that left
 cleanly was whole when it left (a killed process's pool dies with it and is not counted), and every
-request started was accounted for.
+request started was accounted for. Two hosts add: every net fault of the timeline was applied and
+undone (a fault that could not be is an error of the run, not a silent no-op).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class StressResult:
     fleet_counts: dict[str, int] = field(default_factory=dict)  # kills by role, restarts, joins, leaves, ...
     fleet_startup_s: float = 0.0
     processes: list[dict[str, Any]] = field(default_factory=list)  # every process started, with its figures
+    # two hosts ---------------------------------------------------------------------------------------
+    net: dict[str, Any] = field(default_factory=dict)  # the net faults' timeline and windows (NetChaos.summary)
+    net_errors: list[str] = field(default_factory=list)  # net faults that could not be applied or undone
+    net_kills: int = 0  # processes SIGKILLed by kill_prefill / kill_decode
 
     # the verdict -----------------------------------------------------------------------------
     @property
@@ -122,6 +127,7 @@ class StressResult:
             and self.rejected_succeeded == 0
             and self.requests_unaccounted == 0
             and not self.accounting_errors
+            and not self.net_errors
             and self.settled
         )
 
@@ -150,7 +156,8 @@ class StressResult:
             "processes_at_end": {role: sum(1 for p in self.processes if p["role"] == role and p["end"] == "running")
                                  for role in ("prefill", "decode")},
             "kills": {role: int(counts[f"{role}_kills"]) for role in ("prefill", "decode")},
-            "kills_by_churn": int(counts["prefill_kills"] + counts["decode_kills"]) - self.kills,
+            "kills_by_churn": int(counts["prefill_kills"] + counts["decode_kills"]) - self.kills - self.net_kills,
+            **({"kills_by_net_fault": self.net_kills} if self.config.two_hosts else {}),
             "restarts": int(counts["restarts"]),
             "joins": int(counts["joins"]),
             "leaves": {role: int(counts[f"{role}_leaves"]) for role in ("prefill", "decode")},
@@ -242,5 +249,7 @@ class StressResult:
             "latency_ms": {"p50": round(self.latency(50), 3), "p99": round(self.latency(99), 3)},
             **({"requests_started": self.requests_started, "requests_unaccounted": self.requests_unaccounted,
                 "fleet": self.fleet_summary()} if self.config.fleet else {}),
+            **({"two_hosts": True, "net_faults": {**self.net, "errors": list(self.net_errors)}}
+               if self.config.two_hosts else {}),
             "ok": self.ok,
         }

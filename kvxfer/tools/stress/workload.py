@@ -16,6 +16,12 @@ prefill) routes each request to a random (prefill, decode) pair, drawn from a st
 with ``churn`` a request's start may also kill and restart a process, add one (a join) or retire
 one cleanly (a leave), each drawn from another stream of its own, so the plain pair's and the
 topologies' draws stay what they were.
+
+Two hosts (``two_hosts``) run a fleet's prefill processes in one network namespace ("host a") and its
+decode processes in another ("host b"), joined by a veth (:class:`kvxfer.tools.netns.TwoHosts`), over
+tcp with keyrings. ``net_faults`` is the network fault timeline played while requests start: each
+``(name, seconds)`` in turn, after ``net_fault_gap`` seconds of healthy network, for ``seconds``,
+``net_fault_rounds`` times (:mod:`.netfaults`); names in :data:`NET_FAULTS`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,16 @@ CHURN_KINDS = ("kill", "join", "leave")  # SIGKILL and restart; a process more; 
 ROLES = ("prefill", "decode")
 MAX_FLEET = 16  # processes per role at the start of a fleet run
 ALL_FAULTS = REQUEST_FAULTS + LINK_FAULTS
+# --two-hosts: faults of the wire between the hosts (a: the prefills, b: the decodes) and of the processes
+NET_FAULTS = (
+    "link_down",  # the veth loses carrier on both ends
+    "drop", "drop_a_to_b", "drop_b_to_a",  # every IPv4 packet silently dropped, both ways or one way
+    "blackhole", "blackhole_a_to_b", "blackhole_b_to_a",  # sends to the other host fail locally
+    "kill_prefill", "kill_decode",  # SIGKILL one process of the role (restarted in its seat)
+    "stop_prefill", "stop_decode",  # SIGSTOP one process of the role, SIGCONT when the window ends
+)
+DEFAULT_NET_FAULT_SECONDS = 2.0
+MAX_NET_FAULT_SECONDS = 300.0
 _LINK_RATE_NAMES = {
     "late_write": "late_rate",
     "duplicate_write": "duplicate_rate",
@@ -87,6 +103,10 @@ class StressConfig:
     churn: float = 0.0  # per request started: the chance of a kill and restart, a join or a leave
     max_joins: int = 2  # a fleet grows by at most this many processes per role above its start
     layerwise: bool = False  # each chunk sent layer by layer, one layer per step, layers in a random order
+    two_hosts: bool = False  # prefills in one network namespace, decodes in another, joined by a veth
+    net_faults: list[tuple[str, float]] = field(default_factory=list)  # (name, seconds), played in turn
+    net_fault_gap: float = 0.5  # seconds of healthy network before each net fault
+    net_fault_rounds: int = 1  # times the timeline is played (0: for as long as requests start)
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -104,6 +124,7 @@ class StressConfig:
         if self.prefill_pages < 1 or self.decode_pages < 1:
             raise ConfigError("pools need at least one page")
         self._check_topology()
+        self._check_two_hosts()
         self._check_fleet()
 
     def _check_topology(self) -> None:
@@ -143,18 +164,49 @@ class StressConfig:
                               "they do not combine with --prefill-tp/--decode-tp or unequal page sizes (run the "
                               "topology with one process of each, or the fleet without a topology)")
 
+    def _check_two_hosts(self) -> None:
+        """The flags named, as a user typed them: these errors are one line each on the command line."""
+        self.net_faults = [(str(name), float(seconds)) for name, seconds in self.net_faults]
+        for name, seconds in self.net_faults:
+            if name not in NET_FAULTS:
+                raise ConfigError(f"--net-fault: unknown fault {name!r} (known: {', '.join(NET_FAULTS)})")
+            if not 0.0 < seconds <= MAX_NET_FAULT_SECONDS:
+                raise ConfigError(f"--net-fault {name}={seconds:g}: the seconds must be above 0 and at most "
+                                  f"{MAX_NET_FAULT_SECONDS:g}")
+        if self.net_fault_rounds < 0:
+            raise ConfigError(f"--net-fault-rounds {self.net_fault_rounds}: must be 0 (no limit) or more")
+        if not 0.0 <= self.net_fault_gap <= MAX_NET_FAULT_SECONDS:
+            raise ConfigError(f"--net-fault-gap {self.net_fault_gap:g}: must be 0..{MAX_NET_FAULT_SECONDS:g} seconds")
+        if self.net_faults and not self.two_hosts:
+            raise ConfigError("--net-fault needs --two-hosts (the faults act on the wire between the two hosts)")
+        if not self.two_hosts:
+            return
+        if self.transport != "tcp":
+            raise ConfigError(f"--two-hosts runs over tcp only, not {self.transport!r} (shm needs one host; "
+                              "soft-RoCE does not route inside network namespaces on this kernel)")
+        if self.topology:
+            raise ConfigError("--two-hosts runs processes of one rank each with equal page sizes: it does not "
+                              "combine with --prefill-tp/--decode-tp or unequal page sizes")
+
     # topology ------------------------------------------------------------------------------------
     @property
     def fleet(self) -> bool:
-        """Several prefill or decode processes (each request to one pair), or processes coming and going."""
-        return self.prefills > 1 or self.decodes > 1 or self.churn > 0
+        """Several prefill or decode processes (each request to one pair), processes coming and going, or
+        processes on two hosts."""
+        return self.prefills > 1 or self.decodes > 1 or self.churn > 0 or self.two_hosts
 
     def describe_fleet(self) -> str:
-        """``"3 prefill x 4 decode processes, churn 0.05"`` ("" without a fleet)."""
+        """``"3 prefill x 4 decode processes, churn 0.05"`` ("" without a fleet); on two hosts,
+        ``"... on two hosts (prefills on a, decodes on b), net faults link_down 2s, drop 2s"``."""
         if not self.fleet:
             return ""
-        return (f"{self.prefills} prefill x {self.decodes} decode processes"
+        text = (f"{self.prefills} prefill x {self.decodes} decode processes"
                 + (f", churn {self.churn:g}" if self.churn else ""))
+        if self.two_hosts:
+            text += " on two hosts (prefills on a, decodes on b)"
+            if self.net_faults:
+                text += ", net faults " + ", ".join(f"{name} {seconds:g}s" for name, seconds in self.net_faults)
+        return text
 
     @property
     def prefill_page(self) -> int:
@@ -222,6 +274,9 @@ class StressConfig:
                 del data[name]
         if not self.layerwise:
             del data["layerwise"]
+        if not self.two_hosts:  # the JSON of a run on one host stays as it was
+            for name in ("two_hosts", "net_faults", "net_fault_gap", "net_fault_rounds"):
+                del data[name]
         return data
 
 

@@ -624,6 +624,9 @@ class DecodeEngine(EngineBase):
                 "protocol_errors": data_path.get("protocol_errors", 0),
                 "data_path": data_path,
                 "active": len(self.receiver.active),
+                # per prefill: the newest data-connection epoch offered, and whether both halves hold one
+                "peers": {name: {"offered": info.offered, "epoch": info.epoch, "connected": info.connected}
+                          for name, info in self.receiver.peers.items()},
             }
 
 

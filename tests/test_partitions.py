@@ -127,3 +127,22 @@ def test_a_30s_partition_heals_by_itself_within_5s_without_a_storm(two_hosts, tm
     finally:
         for node in reversed(nodes):
             node.close()
+
+
+def test_a_decode_left_on_its_loopback_hears_why_and_the_prefill_logs_the_attempt(two_hosts, tmp_path):
+    """A decode on host b left at the default host (127.0.0.1) asks a prefill on host a to answer at its
+    own loopback: its connect() fails naming that, and the prefill counts and logs where the HELLO came
+    from (it used to log nothing, and the decode only saw 'no answer')."""
+    rings = {path.name: str(path) for path in write_cluster(tmp_path / "keys", ["prefill", "decode"])}
+    prefill = spawn(_spec("prefill", rings["prefill"]), netns=two_hosts.a)
+    decode_spec = _spec("decode", rings["decode"])
+    decode = spawn(NodeSpec(**{**decode_spec.__dict__, "config": {**decode_spec.config, "host": "127.0.0.1"}}),
+                   netns=two_hosts.b)
+    try:
+        with pytest.raises(KvxferError, match=r"no answer from prefill .*its own loopback.*KVXFER_ADVERTISE_HOST"):
+            decode.connect(address=prefill.control, timeout=3.0)
+        counters = prefill.stats()["engine_counters"]
+        assert counters.get("unreachable_reply_to", 0) >= 1, counters
+    finally:
+        decode.close()
+        prefill.close()

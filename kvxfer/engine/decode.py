@@ -8,13 +8,14 @@ import secrets
 import time
 from typing import Any
 
-from ..core.arguments import check_rid
+from ..core.arguments import check_rid, split_tcp_endpoint
 from ..core.layout import KVLayout
 from ..core.lifecycle import ReceiverState
 from ..errors import ConfigError, InvalidArgument, PeerError, ProtocolError, TransferFailed
 from ..transport.base import ReceiverBackend, ReceiverHooks
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
+from ..wire.auth import is_loopback, split_address
 from ..wire.trust import PeerAllowlist, key_problem
 from .base import ORDERED_MESSAGES, EngineBase
 from .config import EngineConfig
@@ -101,7 +102,8 @@ class DecodeEngine(EngineBase):
                         return peer
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s")
+                        raise PeerError(f"no answer from prefill at {prefill_address} within {timeout:g} s"
+                                        f"{self._reply_hint(prefill_address)}")
                     self.receiver.changed.wait(min(left, 0.1))
         finally:
             with self.lock:
@@ -175,6 +177,18 @@ class DecodeEngine(EngineBase):
                 self._release_control(prefill_address)
             raise
         return gen
+
+    def _reply_hint(self, prefill_address: str) -> str:
+        """Why a prefill on another host may not have answered: this engine asks for answers at its own
+        loopback address (``host`` left at its default)."""
+        try:
+            host, _port = split_tcp_endpoint(split_address(prefill_address)[0])
+        except (InvalidArgument, PeerError):
+            return ""
+        if is_loopback(self.advertised_host) and not is_loopback(host):
+            return (f" (this decode asks for answers at {self.address}, its own loopback, which a prefill on "
+                    "another host cannot reach: set host or advertise_host, KVXFER_HOST / KVXFER_ADVERTISE_HOST)")
+        return ""
 
     def _check_trusted(self, address: Any) -> None:
         """Refuse (:class:`PeerError` naming it, nothing opened) an address this decode does not trust

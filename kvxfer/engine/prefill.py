@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from ..core.arguments import split_tcp_endpoint
 from ..core.layout import KVLayout
 from ..core.lifecycle import SenderState
 from ..errors import ConfigError, InvalidArgument, NotPeered, PeerError, ProtocolError, TransferFailed, TransportError
 from ..transport.base import LinkRequest, SenderLink, SenderTransport
 from ..transport.faults import FaultInjector
 from ..wire import messages as m
+from ..wire.auth import is_loopback, split_address
 from .base import EngineBase
 from .config import EngineConfig
 from .sender import Sender, SendRequest
@@ -121,6 +123,7 @@ class PrefillEngine(EngineBase):
             raise ProtocolError(f"{msg.TYPE} is not a message a prefill engine accepts")
 
     def _on_hello(self, identity: str, msg: m.Hello) -> None:
+        self._check_reply_address(identity, msg.reply_to)
         problem = ""
         if msg.engine != identity:
             problem = f"HELLO names engine {msg.engine!r} but came from {identity!r}"
@@ -167,6 +170,21 @@ class PrefillEngine(EngineBase):
             self._release_control(old.control)  # peering again from another address: the old socket goes
         if old is not None and old.link is not None:
             self._retire(old.link, "peering replaced by a new HELLO")
+
+    def _check_reply_address(self, identity: str, reply_to: str) -> None:
+        """A HELLO that came from another host but asks for its answers at a loopback address (a decode
+        left on the default host) will never hear back: say so here, since the decode only sees
+        silence. The answer still goes where it asked."""
+        source = self.control.source_of(identity)
+        try:
+            host, _port = split_tcp_endpoint(split_address(reply_to)[0])
+        except (InvalidArgument, PeerError):
+            return
+        if source and is_loopback(host) and not is_loopback(source):
+            self._event("unreachable_reply_to", peer=identity[:200], reply_to=reply_to[:200], source=source)
+            self._warn(log, f"reply/{identity[:64]}", "%s: HELLO from %r came from %s but asks for answers at %s, "
+                       "which is that host's own loopback: it will not hear back (set its host or advertise_host "
+                       "to an address this host reaches)", self.engine_id, identity[:200], source, reply_to[:200])
 
     def _refuse_hello(self, identity: str, msg: m.Hello, problem: str, *, may_reject: bool = False) -> None:
         """Refuse a peering. The details go to this engine's log only: the answer names neither this

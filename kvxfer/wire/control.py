@@ -149,6 +149,7 @@ class ControlPlane:
             f"tcp://{shown}:{port}"
         self.address = keyring.address(self.endpoint) if keyring is not None else self.endpoint
         self._bound: dict[str, bytes] = {}  # routing identity -> the client key it authenticated with
+        self._sources: dict[str, str] = {}  # routing identity -> the IP its first message came from
         self._out: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
         self._once: collections.deque[float] = collections.deque()  # when recent one-off answers went
         self._out_lock = threading.Lock()
@@ -294,6 +295,13 @@ class ControlPlane:
             identity = frames[0].bytes.decode("utf-8", "replace") if frames else "?"
             if self.keyring is not None and not self._authenticated(identity, frames[-1]):
                 continue
+            if identity not in self._sources:  # the first message under an identity (HELLO): where it came from
+                if len(self._sources) >= _MAX_BOUND:
+                    self._sources.pop(next(iter(self._sources)))
+                try:
+                    self._sources[identity] = frames[-1].get("Peer-Address")
+                except zmq.ZMQError:
+                    self._sources[identity] = ""
             if len(frames) != 2:
                 out.append((identity, b""))  # the decoder reports it as malformed
                 continue
@@ -301,6 +309,10 @@ class ControlPlane:
             if len(out) >= 1000:
                 break
         return out
+
+    def source_of(self, identity: str) -> str:
+        """The IP address the first message under ``identity`` came from ("" if unknown)."""
+        return self._sources.get(identity, "")
 
     def _authenticated(self, identity: str, frame: zmq.Frame) -> bool:
         """Bind ``identity`` to the key it authenticated with; refuse it under any other key."""

@@ -146,3 +146,36 @@ def test_a_decode_left_on_its_loopback_hears_why_and_the_prefill_logs_the_attemp
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_5s_blip_with_a_destination_in_flight_delays_the_request_and_loses_nothing(two_hosts, tmp_path):
+    """Every packet dropped for 5 s while the decode's META (its destination) is on the wire: shorter
+    than the control connection's liveness bound, so the connection is kept and TCP delivers META after
+    the heal; the request then completes, instead of waiting out its transfer_timeout (a liveness bound
+    of 3 s dropped the connection with META in it)."""
+    rings = {path.name: str(path) for path in write_cluster(tmp_path / "keys", ["prefill", "decode"])}
+    prefill = spawn(_spec("prefill", rings["prefill"]), netns=two_hosts.a)
+    decode = spawn(_spec("decode", rings["decode"]), netns=two_hosts.b)
+    try:
+        pid = decode.connect(address=prefill.control)
+        _transfer(prefill, decode, decode.engine_id, pid, "before")
+        prefill.admit(rid="blip", tokens=TOKENS, peer=decode.engine_id)
+        two_hosts.drop()
+        decode.admit(rid="blip", tokens=TOKENS, peer=pid)  # META leaves into the cut
+        time.sleep(5.0)
+        two_hosts.undrop()
+        healed = time.monotonic()
+        prefill.prepare(rid="blip", timeout=20)
+        prefill.send(rid="blip")
+        final = decode.wait(rid="blip", timeout=20)
+        took = time.monotonic() - healed
+        assert final["state"] == "READABLE", final
+        assert decode.read_check(rid="blip")["corrupted_pages"] == 0
+        print(f"the request whose META crossed a 5 s blip was READABLE {took:.2f} s after the heal")
+        assert took < 10.0, took
+        _transfer(prefill, decode, decode.engine_id, pid, "after")
+        prefill.accounting()
+        decode.accounting()
+    finally:
+        decode.close()
+        prefill.close()

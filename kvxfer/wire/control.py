@@ -22,7 +22,8 @@ peer or pending HELLO uses them), so what a stranger names cannot pile up socket
 Liveness of the connections themselves (:func:`keep_alive`): every socket pings its peer over ZMTP
 every :data:`PING_IVL_MS` and drops a connection that carried nothing for :data:`PING_TIMEOUT_MS`
 (a silent partition leaves a TCP connection in retransmission backoff, minutes long, that would
-otherwise carry the first message after the network heals); a DEALER then dials again every
+otherwise carry the first message after the network heals; a shorter blip is left to TCP, which
+delivers what was in flight); a DEALER then dials again every
 :data:`RECONNECT_IVL_MS` (up to :data:`RECONNECT_IVL_MAX_MS`), giving up each dial after
 :data:`DIAL_TIMEOUT_MS`, so a healed link carries messages again within about two seconds. What a
 dropped connection had in flight is lost, as on any control link that fails: every exchange that
@@ -58,11 +59,15 @@ ONCE_WINDOW_S = 1.0
 MAX_ONCE = 1024  # one-off answers per ONCE_WINDOW_S; more are not sent (a flood of strangers)
 # the control connections' own liveness (ZMTP heartbeats and dialling; see the module docstring)
 PING_IVL_MS = 1000
-PING_TIMEOUT_MS = 3000  # a connection silent this long (no ping answered) is dropped, and dialled again
+# A connection silent this long (no ping answered), or with data unacknowledged this long (TCP_USER_TIMEOUT),
+# is dropped and dialled again. Dropping loses what its socket still held (a META, a RESULT), so a blip
+# shorter than this is left to TCP's retransmissions, which deliver it after the heal; longer cuts fail
+# the requests on that peer anyway (its data connection fails after as long, kvxfer/transport/tcp.py).
+PING_TIMEOUT_MS = 10_000
+UNACKED_MAX_MS = PING_TIMEOUT_MS
 RECONNECT_IVL_MS = 200
 RECONNECT_IVL_MAX_MS = 1000
 DIAL_TIMEOUT_MS = 1000  # a TCP connect not established by then is abandoned and tried again
-UNACKED_MAX_MS = 5000  # TCP_USER_TIMEOUT: data unacknowledged this long fails the connection
 
 
 def keep_alive(sock: zmq.Socket, *, dialler: bool) -> None:

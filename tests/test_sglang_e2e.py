@@ -40,10 +40,19 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (python3 tools/install_sglang.py)")
 pytest.importorskip("sglang_router", reason="sglang-router not installed (python3 tools/install_sglang.py)")
 
-from kvxfer.wire.addresses import local_addresses  # noqa: E402
 from kvxfer.wire.auth import Keyring, write_cluster  # noqa: E402
 
-from .sglang_env import CPU_FLAGS, HERE, Server, free_ports, group_members, make_tiny_llama, request_json, running  # noqa: E402
+from .sglang_env import (  # noqa: E402
+    CPU_FLAGS,
+    HERE,
+    Server,
+    free_ports,
+    group_members,
+    kvxfer_host,
+    make_tiny_llama,
+    request_json,
+    running,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,23 +63,6 @@ PROMPTS = [PREFIX + "prefill", PREFIX + "decode server router", PREFIX + "engine
 
 
 KEYED = ("prefill", "decode", "prefill-tp2", "decode-tp2", "decode-page8", "prefill-b", "decode-b")
-
-
-def kvxfer_host() -> str:
-    """Where the kvxfer engines bind: this host's first non-loopback IPv4 address that accepts a connection
-    from here (what a deployment across hosts binds), else loopback."""
-    for address in local_addresses():
-        if ":" in address:
-            continue
-        try:
-            with socket.socket() as server:
-                server.bind((address, 0))
-                server.listen(1)
-                socket.create_connection(server.getsockname(), timeout=2).close()
-        except OSError:
-            continue
-        return address
-    return "127.0.0.1"
 
 
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1",  # else SGLang asserts about NUMA nodes on this CPU

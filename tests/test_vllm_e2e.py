@@ -31,11 +31,10 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.wire.addresses import local_addresses
 from kvxfer.wire.auth import Keyring, write_cluster
 
 from .conftest import SESSION_MARKER
-from .sglang_env import WORDS, Server, free_ports, make_tiny_llama, request_json, running
+from .sglang_env import WORDS, Server, free_ports, kvxfer_host, make_tiny_llama, request_json, running
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("KVXFER_VLLM_VENV") or ROOT / ".venv-vllm")
@@ -55,23 +54,6 @@ KEYED = ("prefill", "decode", "decode-recompute")  # the kvxfer servers: each ge
 def connector(role: str, **more: str) -> str:
     return json.dumps({"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
                        "kv_role": role, **more})
-
-
-def kvxfer_host() -> str:
-    """Where the kvxfer engines bind: this host's first non-loopback IPv4 address that accepts a connection
-    from here (what a deployment across hosts binds), else loopback."""
-    for address in local_addresses():
-        if ":" in address:
-            continue
-        try:
-            with socket.socket() as server:
-                server.bind((address, 0))
-                server.listen(1)
-                socket.create_connection(server.getsockname(), timeout=2).close()
-        except OSError:
-            continue
-        return address
-    return "127.0.0.1"
 
 
 def prompt_of(n_words: int, salt: int = 0) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kvxfer.wire.addresses import local_addresses
 
 HERE = Path(__file__).resolve().parent  # put on the servers' PYTHONPATH: provides ``vllm._custom_ops``
 
@@ -207,6 +210,23 @@ class Server:
 
     def members(self) -> list[int]:
         return group_members(self.process.pid) if self.process is not None else []
+
+
+def kvxfer_host() -> str:
+    """Where the kvxfer engines bind: this host's first non-loopback IPv4 address that accepts a connection
+    from here (what a deployment across hosts binds), else loopback."""
+    for address in local_addresses():
+        if ":" in address:
+            continue
+        try:
+            with socket.socket() as server:
+                server.bind((address, 0))
+                server.listen(1)
+                socket.create_connection(server.getsockname(), timeout=2).close()
+        except OSError:
+            continue
+        return address
+    return "127.0.0.1"
 
 
 def group_members(pgid: int) -> list[int]:

@@ -68,9 +68,17 @@ class VerbsOptions:
     window_max_runs: int = field(default=64, metadata={"env": "KVXFER_IB_WINDOW_MAX_RUNS"})
     # threads that post and poll for every queue pair of a prefill (one queue pair is served by one at a time)
     send_threads: int = field(default=8, metadata={"env": "KVXFER_IB_SEND_THREADS"})
+    # how often a queue pair resends a write the peer did not acknowledge before it fails with "retry
+    # exceeded" (each wait about 67 ms: ack timeout 14); 7 is the verbs maximum, which rxe (soft-RoCE)
+    # takes as "for ever": a smaller value lets a cut-off peer fail the queue pair there too
+    retry_cnt: int = field(default=7, metadata={"env": "KVXFER_IB_RETRY_CNT"})
 
     def __post_init__(self) -> None:
         _check_threads("verbs", self.send_threads)
+        if isinstance(self.retry_cnt, bool) or not isinstance(self.retry_cnt, int) or not 0 <= self.retry_cnt <= 7:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"verbs option 'retry_cnt' must be an integer in 0..7, not {self.retry_cnt!r}")
 
 
 OPTIONS: dict[str, type] = {"tcp": TcpOptions, "shm": ShmOptions, "verbs": VerbsOptions}

@@ -178,6 +178,7 @@ class VerbsDevice:
             raise TransportError(f"RDMA device {name!r} not found (have {', '.join(names)})")
         self.name = name
         self.port = options.port
+        self.retry_cnt = options.retry_cnt  # every queue pair's (connect)
         self.ctx = pv.Context(name=name)
         port_attr = self.ctx.query_port(self.port)
         if port_attr.state != e.IBV_PORT_ACTIVE:
@@ -378,7 +379,7 @@ class Endpoint:
         attr.max_rd_atomic = 1
         attr.min_rnr_timer = 12
         attr.timeout = 14
-        attr.retry_cnt = 7
+        attr.retry_cnt = self.device.retry_cnt
         attr.rnr_retry = 7
         route = pv.GlobalRoute(dgid=pv.GID(gid_text(gid)), sgid_index=self.device.gid_index, hop_limit=64)
         attr.ah_attr = pv.AHAttr(port_num=self.device.port, is_global=1, gr=route, dlid=0)

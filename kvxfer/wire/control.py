@@ -25,7 +25,7 @@ every :data:`PING_IVL_MS` and drops a connection that carried nothing for :data:
 otherwise carry the first message after the network heals; a shorter blip is left to TCP, which
 delivers what was in flight); a DEALER then dials again every
 :data:`RECONNECT_IVL_MS` (up to :data:`RECONNECT_IVL_MAX_MS`), giving up each dial after
-:data:`DIAL_TIMEOUT_MS`, so a healed link carries messages again within about two seconds. What a
+:data:`DIAL_TIMEOUT_MS`, so a healed link carries messages again within about three seconds. What a
 dropped connection had in flight is lost, as on any control link that fails: every exchange that
 matters has its own timeout in the roles.
 
@@ -67,7 +67,11 @@ PING_TIMEOUT_MS = 10_000
 UNACKED_MAX_MS = PING_TIMEOUT_MS
 RECONNECT_IVL_MS = 200
 RECONNECT_IVL_MAX_MS = 1000
-DIAL_TIMEOUT_MS = 1000  # a TCP connect not established by then is abandoned and tried again
+# A TCP connect not established by then is abandoned and tried again: a dial begun during a partition
+# would otherwise wait out SYN retransmissions (1, 3, 7, 15, 31 s) after the heal. Two seconds leave room
+# for one retransmitted SYN (a listener whose backlog overflowed in a storm of peers drops the first).
+DIAL_TIMEOUT_MS = 2000
+LISTEN_BACKLOG = 1024  # the ROUTER's listen backlog (ZMQ's default is 100): hundreds of peers dial at once
 
 
 def keep_alive(sock: zmq.Socket, *, dialler: bool) -> None:
@@ -132,6 +136,7 @@ class ControlPlane:
         # keyring each message is still checked against the key its id is bound to (_authenticated).
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         keep_alive(self._router, dialler=False)
+        self._router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if keyring is not None:
             self._gate = _Gatekeeper(self._ctx, keyring, self._denied)
             self._gate.start()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ pytest.importorskip("sglang_router", reason="sglang-router not installed (python
 from kvxfer.wire.auth import Keyring, write_cluster  # noqa: E402
 
 from .conftest import SESSION_MARKER  # noqa: E402
-from .sglang_env import CPU_FLAGS, HERE, WORDS, Server, make_tiny_llama, running  # noqa: E402
+from .sglang_env import CPU_FLAGS, HERE, WORDS, Server, http_in, make_tiny_llama, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -47,27 +46,6 @@ DROP_SECONDS = 5
 CUT_BOUND = 90.0  # the longest a request in flight while the link is cut may take to answer
 HEAL_BOUND = 15.0  # the longest the first request after the heal may take
 
-# one request from inside a namespace: prints {"status": ..., "body": ...}; status 0 for a connection error
-CLIENT = r"""
-import json, sys, urllib.error, urllib.request
-method, url, payload, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-data = payload.encode() if payload else None
-req = urllib.request.Request(url, data=data, method=method,
-                             headers={"Content-Type": "application/json"} if data else {})
-try:
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        status, body = r.status, r.read()
-except urllib.error.HTTPError as e:
-    status, body = e.code, e.read()
-except Exception as e:
-    status, body = 0, repr(e).encode()
-text = body.decode(errors="replace")
-try:
-    body = json.loads(text)
-except ValueError:
-    body = text
-print(json.dumps({"status": status, "body": body}))
-"""
 
 
 def prompt_of(n_words: int, salt: int = 0) -> str:
@@ -131,12 +109,7 @@ class TwoHostPD:
     # requests from inside a namespace --------------------------------------------------------------
     def http(self, host: str, method: str, url: str, payload: dict | None = None, *,
              timeout: float = 120.0) -> tuple[int, object]:
-        argv = self.hosts.argv(host, [sys.executable, "-c", CLIENT, method, url,
-                                      json.dumps(payload) if payload is not None else "", str(timeout)])
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 30)
-        assert done.returncode == 0, done.stderr[-2000:]
-        out = json.loads(done.stdout)
-        return out["status"], out["body"]
+        return http_in(self.hosts, host, method, url, payload, timeout=timeout)
 
     def start(self) -> None:
         a, b = self.hosts.a.address, self.hosts.b.address

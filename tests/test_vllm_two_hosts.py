@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import pytest
 from kvxfer.wire.auth import Keyring, write_cluster
 
 from .conftest import SESSION_MARKER
-from .sglang_env import WORDS, Server, make_tiny_llama, running
+from .sglang_env import WORDS, Server, http_in, make_tiny_llama, running
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("KVXFER_VLLM_VENV") or ROOT / ".venv-vllm")
@@ -47,27 +45,6 @@ HTTP_PORT, METRICS_PORT = 8100, 9100  # each host is a namespace of its own: not
 MODEL = "tiny"
 DROP_SECONDS = 5
 
-# one request from inside a namespace: prints {"status": ..., "body": ...}; status 0 for a connection error
-CLIENT = r"""
-import json, sys, urllib.error, urllib.request
-method, url, payload, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-data = payload.encode() if payload else None
-req = urllib.request.Request(url, data=data, method=method,
-                             headers={"Content-Type": "application/json"} if data else {})
-try:
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        status, body = r.status, r.read()
-except urllib.error.HTTPError as e:
-    status, body = e.code, e.read()
-except Exception as e:
-    status, body = 0, repr(e).encode()
-text = body.decode(errors="replace")
-try:
-    body = json.loads(text)
-except ValueError:
-    body = text
-print(json.dumps({"status": status, "body": body}))
-"""
 
 
 def connector(role: str) -> str:
@@ -112,12 +89,7 @@ class TwoHostCluster:
     # requests from inside a namespace --------------------------------------------------------------
     def http(self, host: str, method: str, url: str, payload: dict | None = None, *,
              timeout: float = 120.0) -> tuple[int, object]:
-        argv = self.hosts.argv(host, [sys.executable, "-c", CLIENT, method, url,
-                                      json.dumps(payload) if payload is not None else "", str(timeout)])
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 30)
-        assert done.returncode == 0, done.stderr[-2000:]
-        out = json.loads(done.stdout)
-        return out["status"], out["body"]
+        return http_in(self.hosts, host, method, url, payload, timeout=timeout)
 
     def start(self) -> None:
         for server in self.servers:

@@ -229,6 +229,42 @@ def kvxfer_host() -> str:
     return "127.0.0.1"
 
 
+# one request from inside a namespace: prints {"status": ..., "body": ...}; status 0 for a connection error
+CLIENT = r"""
+import json, sys, urllib.error, urllib.request
+method, url, payload, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+data = payload.encode() if payload else None
+req = urllib.request.Request(url, data=data, method=method,
+                             headers={"Content-Type": "application/json"} if data else {})
+try:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        status, body = r.status, r.read()
+except urllib.error.HTTPError as e:
+    status, body = e.code, e.read()
+except Exception as e:
+    status, body = 0, repr(e).encode()
+text = body.decode(errors="replace")
+try:
+    body = json.loads(text)
+except ValueError:
+    body = text
+print(json.dumps({"status": status, "body": body}))
+"""
+
+
+def http_in(hosts: Any, host: str, method: str, url: str, payload: dict | None = None, *,
+            timeout: float = 120.0) -> tuple[int, Any]:
+    """One HTTP request made from inside network namespace ``host`` of ``hosts`` (a
+    :class:`kvxfer.tools.netns.TwoHosts`, whose addresses this process cannot reach): (status, body);
+    status 0 for a connection error."""
+    argv = hosts.argv(host, [sys.executable, "-c", CLIENT, method, url,
+                             json.dumps(payload) if payload is not None else "", str(timeout)])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    return out["status"], out["body"]
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
     found = []

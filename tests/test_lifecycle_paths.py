@@ -372,21 +372,6 @@ def test_prefill_abort_tells_decode_on_the_ordered_path(engines):
     assert pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages
 
 
-def test_a_decode_abort_before_the_prefill_admits_fails_that_admission_at_once(engines):
-    """The decode reserved pages and gave up before the prefill admitted the request (its client left):
-    the prefill's admission then fails at once naming the abort, instead of waiting meta_timeout for a
-    destination that will never come."""
-    pair = engines(prefill_config={"meta_timeout": 30.0})
-    pair.decode.admit("early", 4 * PAGE_TOKENS, peer=pair.peer)
-    pair.decode.abort("early", "the client went away")
-    assert pair.decode.wait("early", timeout=5).state is R.ABORTED
-    wait_for(lambda: "early" in pair.prefill.sender.peer_rejections, what="the prefill heard the abort")
-    req = pair.prefill.admit("early", 4 * PAGE_TOKENS)  # as after a REJECT: failed on arrival
-    assert req.state is S.FAILED and isinstance(req.error, AdmissionRejected), (req.state, req.error)
-    assert "aborted it before this prefill admitted it: the client went away" in str(req.error)
-    assert pair.prefill.wait("early", timeout=1).state is S.FAILED
-
-
 def test_transfer_timeout_quarantines_then_fences(engines):
     pair = engines(decode_config={"transfer_timeout": 0.3, "drain_timeout": 0.3})
     pair.prefill.sender.on_abort = lambda peer, msg: None  # a writer that never answers

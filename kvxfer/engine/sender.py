@@ -762,13 +762,6 @@ class Sender:
                         self.pending_meta[msg.rid] = kept
                     else:
                         del self.pending_meta[msg.rid]
-                if (msg.rid not in self.active and msg.rid not in self.recent and msg.rid not in self.peer_rejections
-                        and len(self.peer_rejections) < self.max_pending_meta):
-                    # the decode gave up on a request this prefill has not admitted (yet): its admission fails
-                    # at once, as after a REJECT, instead of waiting meta_timeout for a destination
-                    gone = m.Reject(rid=msg.rid, gen=msg.gen, reason=msg.reason or "aborted",
-                                    detail=f"decode {peer} aborted it before this prefill admitted it: {msg.detail}"[:4000])
-                    self.peer_rejections[msg.rid] = (gone, self._clock() + self.meta_timeout, peer)
                 # Nothing of ours is in flight for that generation, which is exactly what an ack says.
                 link = self._link_for(peer)
                 if link is not None and msg.gen:

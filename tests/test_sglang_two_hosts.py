@@ -66,12 +66,11 @@ class TwoHostPD:
         write_cluster(self.keys, ("prefill", "decode"))
         path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env = {k: v for k, v in os.environ.items() if k == SESSION_MARKER or not k.startswith("KVXFER_")}
-        # SGLang's timeouts at 60 s as in the single-host e2e; kvxfer's layer-wise settings at their defaults
-        # (these prompts, under KVXFER_LAYERWISE_MIN_TOKENS, go whole). With it at 0, as the e2e sets it,
-        # requests here failed with "the pages sent layer by layer for positions 0..0 are not the pages SGLang
-        # sends there" (a prompt's repeat, each router retry too; one host with the same flags did not)
+        # SGLang's timeouts at 60 s as in the single-host e2e; layer-wise sends for every prompt, as there
+        # (these prompts are under the default KVXFER_LAYERWISE_MIN_TOKENS, below which a prefill sends whole)
         env.update(PYTHONPATH=path, PYTHONUNBUFFERED="1", SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2",
-                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60")
+                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="60",
+                   KVXFER_LAYERWISE="1", KVXFER_LAYERWISE_MIN_TOKENS="0")
         flags = list(CPU_FLAGS)
         at = flags.index("--host")
         del flags[at:at + 2]  # each server listens on its host's address instead
@@ -156,7 +155,7 @@ class TwoHostPD:
         out: dict[str, float] = {}
         for line in str(text).splitlines():
             for series, label in (("kvxfer_pages{", "state"), ("kvxfer_transfers_total{", "outcome"),
-                                  ("kvxfer_bytes_total{", "direction")):
+                                  ("kvxfer_bytes_total{", "direction"), ("kvxfer_layer_sends_total{", "role")):
                 if line.startswith(series):
                     key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
                     out[f"{label}:{key}"] = float(line.rsplit(" ", 1)[1])
@@ -199,8 +198,14 @@ def test_sglang_prefill_on_host_a_and_decode_on_host_b_through_the_router_over_a
         key = Keyring.load(cluster.keys / "prefill").address("")  # "#curve=<its public key>"
         assert entry["kvxfer_address"] == f"tcp://{a.address}:{entry['rank_port']}{key}", entry
 
-        # 2. greedy generations through the router, each twice: the same tokens, the KV moved by kvxfer
+        # 2. greedy generations through the router, each twice: the same tokens, the KV moved by kvxfer,
+        #    layer by layer where it can. A repeat of a prompt of whole pages (the 15 words are 16 tokens,
+        #    one page) computes its last page again, and SGLang's radix cache swaps it for the cached page
+        #    after the forward: that page went layer by layer from the freed page, so every such request
+        #    failed with "the pages sent layer by layer for positions 0..0 are not the pages SGLang sends
+        #    there" (HTTP 500, each router retry too) until the plan left swappable pages to go whole
         references: dict[str, list[int]] = {}
+        layer_sends = cluster.kvxfer("a").get("role:prefill", 0)
         for salt, words in ((1, 40), (2, 90), (3, 15)):
             prompt = prompt_of(words, salt)
             before = cluster.moved("a"), cluster.moved("b")
@@ -212,6 +217,22 @@ def test_sglang_prefill_on_host_a_and_decode_on_host_b_through_the_router_over_a
             after = cluster.moved("a"), cluster.moved("b")
             assert after[0] > before[0] and after[1] > before[1], f"no KV through kvxfer: {before} -> {after}"
             references[prompt] = token_ids(outs[0][1])
+        assert cluster.kvxfer("a").get("role:prefill", 0) > layer_sends, "no layer-wise send from the prefill"
+        #    the same new prompt (two whole pages) from three clients at once: the later ones' pages are
+        #    swapped for the first one's once those are cached (in one batch or the next; SGLang's scheduler
+        #    tends to keep requests of one prefix out of one batch, and here it did)
+        same, answers = prompt_of(31, 5), {}
+
+        def ask(i: int) -> None:
+            answers[i] = cluster.generate(same)
+
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join(150)
+        assert sorted(answers) == [0, 1, 2] and all(st == 200 for st, _ in answers.values()), answers
+        assert len({tuple(token_ids(out)) for _, out in answers.values()}) == 1, answers
         held = cluster.wait_nothing_held(30)
         assert not held, held
 

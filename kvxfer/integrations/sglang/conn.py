@@ -547,9 +547,13 @@ class KvxferKVSender(CommonKVSender):
             return
         known = order[first:end]
         seen = known >= 0
-        if (known[seen] != pages[: known.size][seen]).any():
+        differ = np.flatnonzero(seen & (known != pages[: known.size]))
+        if differ.size:
+            at = int(differ[0])
             raise TransferFailed(f"the pages sent layer by layer for positions {first}..{end - 1} are not the pages "
-                                 "SGLang sends there", reason="layerwise_mismatch", rid=self.bootstrap_room)
+                                 f"SGLang sends there (position {first + at}: page {int(known[at])} went layer by "
+                                 f"layer, SGLang sends page {int(pages[at])}; {differ.size} of {known.size} differ)",
+                                 reason="layerwise_mismatch", rid=self.bootstrap_room)
         for position in sorted({int(p) for p in positions}):
             if position >= end:
                 continue

@@ -23,7 +23,9 @@ fails the request with a reason instead of sending anything wrong.
 
 What stays whole-request: prompts shorter than ``layerwise_min_tokens`` (``KVXFER_LAYERWISE_MIN_TOKENS``,
 see ``kvxfer bench --ttft``), ``KVXFER_LAYERWISE=0``, a pool without a geometry (no layers known),
-requests still bootstrapping, and decode-side prefix reuse (refused at startup anyway).
+requests still bootstrapping, decode-side prefix reuse (refused at startup anyway), and a forward's pages
+from the first one the radix cache may swap for a page of its own after the forward (a repeated prompt,
+the same prefix in another request of the batch: :func:`replaceable_from`). Those go whole after it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ...errors import KvxferError
 
 log = logging.getLogger("kvxfer.sglang")
 _HOOKED = "_kvxfer_layer_hooks"
+NEVER = 1 << 62  # :func:`replaceable_from`: no page of the request can be swapped
 
 
 @dataclass
@@ -66,6 +69,45 @@ def plan_for(req: Any, *, page_size: int, start_tokens: int, token_rows: Any, tr
     if translate is not None:
         indices = translate(indices)
     return start_tokens // page_size, indices
+
+
+def replaceable_from(scheduler: Any, batch: Any, req: Any, *, page_size: int) -> int:
+    """The first position of ``req`` whose page SGLang may swap after the forward, or ``NEVER``.
+
+    The prefill's radix cache, when it takes a request's computed pages (its checkpoint, right before
+    the post-forward send), frees every computed page whose tokens the tree already holds and points
+    the request's row at the tree's page instead. A layer-wise send read the freed page, SGLang then
+    sends the tree's, and the freed page can be reused while a write still reads it. So no computed
+    page that can be swapped goes layer by layer. The computed pages start at the tree-owned prefix
+    (``cache_protected_len``); since the tree holds whole pages by token prefix, the first computed
+    page can be swapped exactly when its whole prefix is held by the tree now (a repeated prompt: the
+    match leaves the last page to compute) or by another request of this batch or of the one before
+    (their checkpoints can come first; the previous batch's under the overlap scheduler). 0 when the
+    tree cannot be asked (another SGLang): the request goes whole rather than on a guess."""
+    tree = getattr(scheduler, "tree_cache", None)
+    if tree is None or getattr(tree, "disable", False):
+        return NEVER
+    computed = -(-int(getattr(req.kv, "cache_protected_len", req.prefix_len)) // page_size)
+    need = (computed + 1) * page_size  # tokens a swap of the first computed page needs held
+    tokens = req.origin_input_ids
+    if need > len(tokens):
+        return NEVER  # its first computed page is the partial last one: the tree holds no partial page
+    mine = np.asarray(tokens[:need], dtype=np.int64)
+    for other in (q for b in (batch, getattr(scheduler, "last_batch", None)) if b is not None
+                  for q in (getattr(b, "reqs", None) or ()) if q is not req):
+        theirs = other.origin_input_ids
+        if len(theirs) >= need and np.array_equal(np.asarray(theirs[:need], dtype=np.int64), mine):
+            return computed
+    try:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.common import _req_radix_key
+
+        # (a match may split a tree node and refresh access times: what SGLang's own matching does)
+        held = tree.match_prefix(MatchPrefixParams(key=_req_radix_key(tree, req, tokens[:need]))).device_prefix_len
+    except Exception as exc:
+        log.debug("radix match for a layer-wise plan failed, the request goes whole: %s", exc)
+        return 0
+    return computed if int(held) >= need else NEVER
 
 
 class LayerwiseSends:
@@ -106,6 +148,13 @@ class LayerwiseSends:
             if indices is None:
                 continue
             pages = np.asarray(kv_to_page_indices(indices, page_size), dtype=np.int64)
+            keep = replaceable_from(scheduler, batch, req, page_size=page_size) - base
+            if keep < len(pages):
+                log.debug("room %s: positions %d.. may be swapped for the tree's pages after the forward: they go "
+                          "whole", sender.bootstrap_room, base + max(keep, 0))
+                if keep <= 0:
+                    continue
+                pages = pages[:keep]
             sender.layer_tokens = (base + len(pages)) * page_size
             self.planned.append(Planned(sender, base, pages, set()))
 

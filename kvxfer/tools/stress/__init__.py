@@ -9,7 +9,8 @@ decode peered with every prefill, routes each request to a random pair, and kill
 retires processes while requests run (:mod:`.fleet`). ``--two-hosts`` runs the fleet's prefills and
 decodes in two network namespaces joined by a veth (:mod:`kvxfer.tools.netns`), and ``--net-fault``
 cuts, drops or blackholes the wire between them, or kills or stops a process, on a timeline
-(:mod:`.netfaults`). ``--unsafe-legacy`` switches off admission
+(:mod:`.netfaults`); with ``--peer-agent`` host b is another machine reached through its agent
+(:mod:`kvxfer.tools.guests`, :mod:`kvxfer.tools.remote`: verbs across the soft-RoCE pair's wire). ``--unsafe-legacy`` switches off admission
 rejection, completion verification and deferred release, reproducing the incident's behaviour, as a
 negative control for the oracle.
 """
@@ -56,6 +57,9 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
         driver = StressDriver(config, on_progress=on_progress, node_log=node_log)
         try:
             result = driver.run()
+        except Exception:
+            _print_node_log_tail(node_log)  # why a node would not start, say: its own words
+            raise
         finally:
             if bar is not None:
                 bar.stop()
@@ -72,3 +76,15 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
         report.write_png(result, report_path)
     console.print(report.verdict_text(summary), style="green" if result.ok else "red", markup=False, highlight=False)
     return 0 if result.ok else 1
+
+
+def _print_node_log_tail(node_log: Any, lines: int = 20) -> None:
+    """The last ``lines`` lines the engine processes wrote to stderr, on this process's stderr."""
+    try:
+        node_log.flush()
+        node_log.seek(0)
+        tail = node_log.read().splitlines()[-lines:]
+    except (OSError, ValueError):
+        return
+    if tail:
+        print("the engine processes' last words:\n  " + "\n  ".join(tail), file=sys.stderr)

@@ -64,7 +64,7 @@ def _stress(args: argparse.Namespace) -> int:
             faults[name.replace("-", "_")] = _number(rate, f"--fault {item}", "a rate")
         net_faults = _net_faults(args.net_fault or [])
         config = _stress_config(args, faults, net_faults)
-        if config.two_hosts:  # checked before any work: root, ip, tc, a namespace with a veth and a filter
+        if config.two_hosts and not config.peer_agent:  # checked before any work: root, ip, tc, a namespace with a veth and a filter
             from .netns import available
 
             ok, why = available()
@@ -118,7 +118,7 @@ def _stress_config(args: argparse.Namespace, faults: dict[str, float],
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, kv_heads=args.kv_heads, head_bytes=args.head_bytes,
         prefill_page_size=args.prefill_page_size, decode_page_size=args.decode_page_size,
         prefills=args.prefills, decodes=args.decodes, churn=args.churn, max_joins=args.max_joins,
-        layerwise=args.layerwise, two_hosts=args.two_hosts, net_faults=net_faults or [],
+        layerwise=args.layerwise, two_hosts=args.two_hosts, peer_agent=args.peer_agent or "", net_faults=net_faults or [],
         net_fault_gap=args.net_fault_gap, net_fault_rounds=args.net_fault_rounds,
     )
 
@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(host b), joined by a veth with addresses in 198.18.0.0/15, over tcp with keyrings; network faults while "
         "requests run. Needs root, ip and tc; the namespaces are removed afterwards (kvxfer/tools/netns.py)")
     hosts.add_argument("--two-hosts", action="store_true", help="run the prefills and the decodes on two hosts")
+    hosts.add_argument("--peer-agent", metavar="HOST:PORT",
+                       help="with --two-hosts: host b is another machine, whose agent (python -m kvxfer.tools.remote "
+                       "serve, same KVXFER_REMOTE_TOKEN) listens at HOST:PORT on a link the faults leave alone; host "
+                       "a is this one (the soft-RoCE pair: verbs across a wire, tools/softroce/pair --mgmt)")
     hosts.add_argument("--net-fault", action="append", metavar="NAME[=SECONDS]",
                        help="a fault of the timeline, applied for SECONDS (default 2; a kill: the time before the next "
                        "fault), the faults in turn with --net-fault-gap seconds of healthy network before each, "

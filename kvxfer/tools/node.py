@@ -72,6 +72,7 @@ class NodeSpec:
     geometry: list[Any] | None = None
     rpc: str = "tcp"  # "tcp": the RPC socket on loopback; "ipc": a unix socket in rpc_dir (crosses namespaces)
     rpc_dir: str | None = None  # "ipc": the directory of the socket (spawn makes one when it is None)
+    rpc_host: str = "127.0.0.1"  # "tcp": the address the RPC socket binds (another machine's: its management link)
 
 
 RPC_KINDS = ("tcp", "ipc")
@@ -111,8 +112,9 @@ class _Node:
             self.rpc_address = f"ipc://{os.path.join(spec.rpc_dir or '.', 'rpc')}"
             self.rep.bind(self.rpc_address)
         else:
-            port = self.rep.bind_to_random_port("tcp://127.0.0.1")
-            self.rpc_address = f"tcp://127.0.0.1:{port}"
+            host = f"[{spec.rpc_host}]" if ":" in spec.rpc_host else spec.rpc_host
+            port = self.rep.bind_to_random_port(f"tcp://{host}")
+            self.rpc_address = f"tcp://{host}:{port}"
 
     def serve(self) -> None:
         print(json.dumps({"rpc": self.rpc_address, "control": self.engine.address, "engine": self.engine.engine_id,
@@ -563,7 +565,8 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: An
     runs on (all of them if None). ``netns``: run it inside a network namespace, given as a host of a
     :class:`kvxfer.tools.netns.TwoHosts` (its engine then binds that host's address unless
     ``spec.config`` names a ``host``) or as an argv prefix (``["ip", "netns", "exec", NAME]``); its RPC
-    then goes over a unix socket (``rpc="ipc"``)."""
+    then goes over a unix socket (``rpc="ipc"``), or, for a host with an ``rpc_host`` (another
+    machine, :class:`kvxfer.tools.guests.GuestHost`), over tcp at that address."""
     prefix: list[str] = []
     if netns is not None:
         if hasattr(netns, "argv"):
@@ -573,7 +576,10 @@ def spawn(spec: NodeSpec, *, timeout: float = 60.0, stderr: Any = None, cpus: An
                 spec = replace(spec, config={**spec.config, "host": address})
         else:
             prefix = [str(part) for part in netns]  # type: ignore[union-attr]
-        if spec.rpc == "tcp":
+        rpc_host = getattr(netns, "rpc_host", None)
+        if rpc_host:  # another machine (:mod:`kvxfer.tools.guests`): RPC over its management link
+            spec = replace(spec, rpc="tcp", rpc_host=rpc_host)
+        elif spec.rpc == "tcp":
             spec = replace(spec, rpc="ipc")
     rpc_dir = None
     if spec.rpc == "ipc" and not spec.rpc_dir:

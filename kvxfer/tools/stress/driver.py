@@ -50,6 +50,7 @@ from typing import Any
 
 from ...errors import AdmissionRejected, KvxferError, PeerError, PoolExhausted
 from .. import procs
+from ..guests import TwoGuests
 from ..netns import TwoHosts
 from .fleet import Fleet, Process
 from .netfaults import NetChaos, Window
@@ -128,7 +129,9 @@ class StressDriver:
         self.started = 0
         self._t0 = 0.0
         # two hosts: the namespaces first (nothing else exists yet if they cannot be made)
-        self.hosts: TwoHosts | None = TwoHosts() if config.two_hosts else None
+        self.hosts: TwoHosts | TwoGuests | None = None
+        if config.two_hosts:
+            self.hosts = TwoGuests(config.peer_agent) if config.peer_agent else TwoHosts()
         # one key pair per rank (a respawned writer keeps its rank's key): authenticated control plane
         from ...wire.auth import write_cluster
 

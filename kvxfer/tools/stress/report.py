@@ -200,7 +200,12 @@ def net_text(s: dict[str, Any]) -> str:
     on b, tcp over a veth); net faults fired: link_down 2, drop 1; first completion after a fault healed
     within 0.8 s at most"."""
     net = s.get("net_faults") or {}
-    text = "two hosts (prefills on a, decodes on b, tcp over a veth)"
+    cfg = s.get("config") or {}
+    if cfg.get("peer_agent"):
+        text = (f"two machines (prefills on a: this one; decodes on b, through its agent at {cfg['peer_agent']}; "
+                f"{s.get('transport', 'tcp')} across the wire between them)")
+    else:
+        text = f"two hosts (prefills on a, decodes on b, {s.get('transport', 'tcp')} over a veth)"
     fired = net.get("fired") or {}
     if net.get("timeline"):
         text += "; net faults fired: " + (", ".join(f"{name} {n}" for name, n in fired.items()) or "none")

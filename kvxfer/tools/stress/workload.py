@@ -104,6 +104,7 @@ class StressConfig:
     max_joins: int = 2  # a fleet grows by at most this many processes per role above its start
     layerwise: bool = False  # each chunk sent layer by layer, one layer per step, layers in a random order
     two_hosts: bool = False  # prefills in one network namespace, decodes in another, joined by a veth
+    peer_agent: str = ""  # two hosts: host b is another machine, reached through its agent here (kvxfer.tools.guests)
     net_faults: list[tuple[str, float]] = field(default_factory=list)  # (name, seconds), played in turn
     net_fault_gap: float = 0.5  # seconds of healthy network before each net fault
     net_fault_rounds: int = 1  # times the timeline is played (0: for as long as requests start)
@@ -179,11 +180,24 @@ class StressConfig:
             raise ConfigError(f"--net-fault-gap {self.net_fault_gap:g}: must be 0..{MAX_NET_FAULT_SECONDS:g} seconds")
         if self.net_faults and not self.two_hosts:
             raise ConfigError("--net-fault needs --two-hosts (the faults act on the wire between the two hosts)")
+        if self.peer_agent and not self.two_hosts:
+            raise ConfigError("--peer-agent needs --two-hosts (it names the machine that is host b)")
         if not self.two_hosts:
             return
-        if self.transport != "tcp":
+        if self.peer_agent:
+            from ..remote import _endpoint
+
+            _endpoint(self.peer_agent)  # ConfigError naming the agent address
+            if self.transport not in ("tcp", "verbs"):
+                raise ConfigError(f"--two-hosts --peer-agent runs over tcp or verbs, not {self.transport!r} (shm "
+                                  "needs one host)")
+            if any(name == "stop_decode" for name, _ in self.net_faults):
+                raise ConfigError("--net-fault stop_decode: a process on the other machine (--peer-agent) runs "
+                                  "behind a stand-in here, which cannot pass SIGSTOP on")
+        elif self.transport != "tcp":
             raise ConfigError(f"--two-hosts runs over tcp only, not {self.transport!r} (shm needs one host; "
-                              "soft-RoCE does not route inside network namespaces on this kernel)")
+                              "soft-RoCE does not route inside network namespaces on this kernel: give "
+                              "--peer-agent to use another machine as host b)")
         if self.topology:
             raise ConfigError("--two-hosts runs processes of one rank each with equal page sizes: it does not "
                               "combine with --prefill-tp/--decode-tp or unequal page sizes")
@@ -275,7 +289,7 @@ class StressConfig:
         if not self.layerwise:
             del data["layerwise"]
         if not self.two_hosts:  # the JSON of a run on one host stays as it was
-            for name in ("two_hosts", "net_faults", "net_fault_gap", "net_fault_rounds"):
+            for name in ("two_hosts", "peer_agent", "net_faults", "net_fault_gap", "net_fault_rounds"):
                 del data[name]
         return data
 

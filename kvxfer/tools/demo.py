@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdmissionRejected, CapacityError, KvxferError, NotReadable
+from ..errors import AdmissionRejected, CapacityError, ConfigError, KvxferError, NotReadable
 from ..wire.auth import write_cluster
 from . import procs
 from .node import NodeClient, NodeSpec, spawn
@@ -41,6 +41,11 @@ ITEM = 4096
 PREFILL_PAGES = 64  # 1,024 tokens
 DECODE_PAGES = 256  # 4,096 tokens
 CONTEXT = 4096
+
+
+class SetupFailed(ConfigError):
+    """The demo's engines could not start (a port taken, a transport that cannot run here): no step's
+    outcome, the demo never began. The command line checks these first; this catches what changed since."""
 
 
 @dataclass
@@ -98,6 +103,8 @@ class Demo:
         try:
             detail = check()
             ok = True
+        except SetupFailed:  # not an outcome of the session: the session never began
+            raise
         except AssertionError as exc:
             ok, detail = False, f"expectation failed: {exc}"
         except Exception as exc:  # anything else is a failure of the step, reported, not raised
@@ -111,13 +118,18 @@ class Demo:
             node = self._spawn(self._spec("prefill", PREFILL_PAGES))
         except CapacityError as exc:
             refusal = str(exc)
+        except KvxferError as exc:  # refused for another reason: a setup failure, not this row's
+            raise SetupFailed(f"the prefill engine did not start: {exc}") from exc
         else:
             node.close()
             raise AssertionError("an undersized prefill pool started without the override")
         assert "1,024 tokens < context 4,096 tokens" in refusal, refusal
-        self.prefill = self._spawn(self._spec("prefill", PREFILL_PAGES, allow_undersized_pool=True))
-        self.decode = self._spawn(self._spec("decode", DECODE_PAGES))
-        self.peer = self.decode.connect(address=self.prefill.control)
+        try:
+            self.prefill = self._spawn(self._spec("prefill", PREFILL_PAGES, allow_undersized_pool=True))
+            self.decode = self._spawn(self._spec("decode", DECODE_PAGES))
+            self.peer = self.decode.connect(address=self.prefill.control)
+        except KvxferError as exc:  # a port taken, a transport that cannot run: the demo cannot begin
+            raise SetupFailed(f"the engines did not start: {exc}") from exc
         return f"refused: {refusal.split('. Enlarge')[0]}; started with the override (warning logged)"
 
     def _transfer(self, rid: str, tokens: int, *, seed: int = 0, count: int | None = None) -> dict[str, Any]:

@@ -392,6 +392,8 @@ def run_fleet(config: FleetConfig) -> dict[str, Any]:
 
 def _problems(report: dict[str, Any], config: FleetConfig) -> list[str]:
     out = []
+    if config.decodes < 1 or not report.get("storm", {}).get("decodes"):
+        out.append("no decode took part: nothing was tested")  # an empty run is never a pass
     for phase in ("storm", "storm_after_restart"):
         r = report.get(phase)
         if r is None:
@@ -447,14 +449,25 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--decodes", type=int, default=128, help="decode engines, all peering at once")
-    parser.add_argument("--per-process", type=int, default=64, help="decode engines per worker process")
-    parser.add_argument("--max-peers", type=int, default=256, help="the prefill's max_peers")
+    from ..transport.registry import names
+    from .checks import integer, number, output_path
+
+    parser.add_argument("--decodes", type=integer(1), default=128, help="decode engines, all peering at once")
+    parser.add_argument("--per-process", type=integer(1), default=64, help="decode engines per worker process")
+    parser.add_argument("--max-peers", type=integer(1), default=256, help="the prefill's max_peers")
     parser.add_argument("--restart", action="store_true",
                         help="then SIGKILL every decode process, start them again and storm once more")
-    parser.add_argument("--transport", dest="fleet_transport", default="tcp", help="the data transport")
-    parser.add_argument("--connect-timeout", type=float, default=30.0, help="each decode's connect() timeout")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    parser.add_argument("--transport", dest="fleet_transport", default="tcp", choices=names(),
+                        help="the data transport")
+    parser.add_argument("--connect-timeout", type=number(above=0), default=30.0, help="each decode's connect() timeout")
+    parser.add_argument("--json", metavar="PATH", type=output_path, default=None, help="also write the report as JSON")
+
+
+def check(args: Any) -> None:
+    """Before any process starts (``kvxfer fleet``): the transport runs here."""
+    from .checks import transport_runs
+
+    transport_runs(f"--transport {args.fleet_transport}", args.fleet_transport)
 
 
 def main(args: Any) -> int:

@@ -388,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         except KvxferError as exc:
             print(json.dumps({"error": {"code": exc.code, "message": exc.detail, "text": str(exc)}}), flush=True)
             return 2
+        except Exception as exc:  # memory it cannot have, a library missing: the parent shows its own words
+            words = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            message = f"{spec.role} node could not start: {type(exc).__name__}: {words}"
+            log.error("%s", message)
+            print(json.dumps({"error": {"code": "error", "message": message, "text": message}}), flush=True)
+            return 2
         try:
             node.serve()
         finally:

@@ -68,16 +68,33 @@ class SimulationConfig:
     """Check the ledger's invariant after every step (slow), not only at the end of each run."""
 
     def validate(self) -> None:
-        if self.pool_pages <= 0 or self.page_tokens <= 0 or self.median_tokens <= 0 or self.customers <= 0:
-            raise ConfigError("pool pages, page tokens, median tokens and customers must be positive")
+        """ConfigError naming the ``kvxfer simulate`` flag of the first setting that cannot work."""
+        for flag, value in (("--pool-pages", self.pool_pages), ("--page-tokens", self.page_tokens),
+                            ("--median-tokens", self.median_tokens), ("--customers", self.customers)):
+            if value <= 0:
+                raise ConfigError(f"{flag} {value}: pool pages, page tokens, median tokens and customers must be "
+                                  "positive")
+        if self.sigma < 0:
+            raise ConfigError(f"--sigma {self.sigma:g}: must be 0 or more")
         if not 1 <= self.hold_min_steps <= self.hold_max_steps:
-            raise ConfigError(f"holds need 1 <= min <= max (got {self.hold_min_steps}..{self.hold_max_steps})")
+            raise ConfigError(f"--hold-steps {self.hold_min_steps}-{self.hold_max_steps}: holds need "
+                              f"1 <= min <= max (got {self.hold_min_steps}..{self.hold_max_steps})")
         if not 1 <= self.oversized_pages <= self.pool_pages:
-            raise ConfigError(f"the oversized request needs 1..{self.pool_pages} pages (got {self.oversized_pages})")
-        if self.seeds <= 0 or any(w < 0 for w in self.warmups) or not self.warmups or not self.policies:
-            raise ConfigError("need at least one seed, policy and warm-up, and no negative warm-up")
+            raise ConfigError(f"--oversized-tokens {self.oversized_tokens:,} / --page-tokens {self.page_tokens}: the "
+                              f"oversized request needs 1..{self.pool_pages} pages (--pool-pages), got "
+                              f"{self.oversized_pages}")
+        if self.seeds <= 0:
+            raise ConfigError(f"--seeds {self.seeds}: need at least one seed")
+        if not self.warmups or any(w < 0 for w in self.warmups):
+            raise ConfigError(f"--warmups {','.join(map(str, self.warmups))}: need at least one warm-up, and no "
+                              "negative warm-up")
+        if not self.policies:
+            raise ConfigError("--policies: need at least one policy")
         for policy in self.policies:
-            AllocPolicy.parse(policy)
+            try:
+                AllocPolicy.parse(policy)
+            except ConfigError as exc:
+                raise ConfigError(f"--policies {','.join(self.policies)}: {exc}") from None
 
     @property
     def oversized_pages(self) -> int:
@@ -409,27 +426,39 @@ def _plot_band(ax: Any, policy: str, cells: list[dict[str, Any]], key: str, scal
 # command line ---------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``kvxfer simulate`` options; their defaults are :class:`SimulationConfig`'s."""
+    from .checks import integer, number, output_path
+
     d = SimulationConfig()
     add = parser.add_argument
-    add("--pool-pages", type=int, default=d.pool_pages, help="pages in the pool (default %(default)s)")
-    add("--page-tokens", type=int, default=d.page_tokens, help="tokens per page (default %(default)s)")
-    add("--median-tokens", type=int, default=d.median_tokens,
+    add("--pool-pages", type=integer(1), default=d.pool_pages, help="pages in the pool (default %(default)s)")
+    add("--page-tokens", type=integer(1), default=d.page_tokens, help="tokens per page (default %(default)s)")
+    add("--median-tokens", type=integer(1), default=d.median_tokens,
         help="median of the background requests' log-normal prompt length (default %(default)s)")
-    add("--sigma", type=float, default=d.sigma, help="log-normal sigma of the prompt length (default %(default)s)")
-    add("--customers", type=int, default=d.customers, help="simulated customers (default %(default)s)")
+    add("--sigma", type=number(0), default=d.sigma,
+        help="log-normal sigma of the prompt length (default %(default)s)")
+    add("--customers", type=integer(1), default=d.customers, help="simulated customers (default %(default)s)")
     add("--hold-steps", type=_int_range, default=(d.hold_min_steps, d.hold_max_steps), metavar="MIN-MAX",
         help=f"steps a background request holds its pages (default {d.hold_min_steps}-{d.hold_max_steps})")
-    add("--oversized-tokens", type=int, default=d.oversized_tokens,
+    add("--oversized-tokens", type=integer(1), default=d.oversized_tokens,
         help="prompt length of the request that takes the incident path (default %(default)s)")
     add("--warmups", type=_int_list, default=d.warmups, metavar="N,N,...",
         help=f"steps of background traffic before the oversized request (default {_join(d.warmups)})")
     add("--policies", type=_str_list, default=d.policies, metavar="P,P,...",
         help=f"allocation policies to compare (default {_join(d.policies)})")
-    add("--seeds", type=int, default=d.seeds, help="seeds per (policy, warm-up) cell (default %(default)s)")
-    add("--seed", type=int, default=d.seed, help="first seed (default %(default)s)")
+    add("--seeds", type=integer(1), default=d.seeds, help="seeds per (policy, warm-up) cell (default %(default)s)")
+    add("--seed", type=integer(), default=d.seed, help="first seed (default %(default)s)")
     add("--debug", action="store_true", help="check the ledger's invariant after every step (slow)")
-    add("--png", metavar="PATH", help="draw foreign share and customers exposed against warm-up")
-    add("--json", metavar="PATH", help="write the config and the rows as JSON")
+    add("--png", metavar="PATH", type=output_path, help="draw foreign share and customers exposed against warm-up")
+    add("--json", metavar="PATH", type=output_path, help="write the config and the rows as JSON")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before the sweep (``kvxfer simulate``): settings that work together, matplotlib for ``--png``."""
+    config_from_args(args).validate()
+    if args.png:
+        from .checks import importable
+
+        importable("--png", "matplotlib", "pip install 'kvxfer[report]'")
 
 
 def _join(items: list[Any]) -> str:
@@ -437,7 +466,10 @@ def _join(items: list[Any]) -> str:
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item.strip()]
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not whole numbers separated by commas") from None
 
 
 def _str_list(text: str) -> list[str]:
@@ -446,7 +478,10 @@ def _str_list(text: str) -> list[str]:
 
 def _int_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
-    return int(low), int(high or low)
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN-MAX (two whole numbers, e.g. 30-120)") from None
 
 
 def config_from_args(args: argparse.Namespace) -> SimulationConfig:

@@ -32,7 +32,7 @@ import numpy as np
 from ..core.layout import KVLayout
 from ..core.lifecycle import ReceiverState
 from ..engine import DecodeEngine, EngineConfig, PrefillEngine
-from ..errors import AdmissionRejected, KvxferError, PoolExhausted
+from ..errors import AdmissionRejected, ConfigError, KvxferError, PoolExhausted
 
 log = logging.getLogger("kvxfer.toy")
 SLOT = 32  # bytes of KV per token (the word, utf-8, NUL padded)
@@ -261,8 +261,18 @@ def _handler(server: ToyServer) -> type[BaseHTTPRequestHandler]:
 
 
 def serve(config: ToyConfig) -> int:
-    server = ToyServer(config)
-    httpd = ThreadingHTTPServer((config.host, config.port), _handler(server))
+    # the HTTP port first: a port that is taken is refused before any engine starts
+    try:
+        httpd = ThreadingHTTPServer((config.host, config.port), BaseHTTPRequestHandler)
+    except (OSError, OverflowError) as exc:
+        raise ConfigError(f"--port {config.port}: cannot serve HTTP on {config.host}:{config.port}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        server = ToyServer(config)
+    except BaseException:
+        httpd.server_close()
+        raise
+    httpd.RequestHandlerClass = _handler(server)
     httpd.daemon_threads = True
     mode = "UNSAFE LEGACY (reproduces the incident)" if config.unsafe_legacy else "kvxfer checks on"
     print(f"kvxfer toy server on http://{config.host}:{httpd.server_address[1]} ({mode}); prefill pool "

@@ -667,6 +667,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the report as one JSON document on stdout instead of the tables")
 
 
+def check(args: argparse.Namespace) -> None:
+    """Before reading (``kvxfer audit capacity``): at least one LOG can be opened. A report with some
+    files missing is still a report (it names them); one with every file missing is a mistake."""
+    from ...errors import ConfigError
+
+    if "-" in args.logs:
+        return
+    problems = []
+    for path in args.logs:
+        if os.path.isdir(path):
+            problems.append(f"{path}: is a directory")
+        elif not os.access(path, os.R_OK):
+            problems.append(f"{path}: {'cannot be read' if os.path.exists(path) else 'No such file or directory'}")
+        else:
+            return
+    raise ConfigError(f"LOG: no log file could be read ({'; '.join(problems)})")
+
+
 def main(args: argparse.Namespace) -> int:
     report = analyse(args.logs)
     if args.json:

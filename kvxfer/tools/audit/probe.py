@@ -185,32 +185,55 @@ def run_probe(url: str, *, api: str, words: int, markers: int, repeat: int, time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..checks import integer, number
+
     parser.add_argument("url", help="base URL of the deployment (e.g. http://127.0.0.1:30000)")
     parser.add_argument("--api", choices=["generate", "openai"], default="generate",
                         help="SGLang's native /generate or OpenAI-compatible /v1/completions")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--words", type=int, help="filler words in the long prompt")
-    size.add_argument("--tokens", type=int, help="target prompt length in tokens (one token per filler word)")
-    parser.add_argument("--markers", type=int, default=16, help="markers to plant (default 16)")
-    parser.add_argument("--marker-repeat", type=int, default=50, help="repetitions per marker prompt")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--max-requests", type=int, default=64, help="upper bound on requests sent")
-    parser.add_argument("--max-seconds", type=float, default=1800.0, help="upper bound on the probe's duration")
+    size.add_argument("--words", type=integer(1), help="filler words in the long prompt")
+    size.add_argument("--tokens", type=integer(1), help="target prompt length in tokens (one token per filler word)")
+    parser.add_argument("--markers", type=integer(1), default=16, help="markers to plant (default 16)")
+    parser.add_argument("--marker-repeat", type=integer(1), default=50, help="repetitions per marker prompt")
+    parser.add_argument("--timeout", type=number(above=0), default=600.0, help="seconds per request")
+    parser.add_argument("--max-requests", type=integer(2), default=64, help="upper bound on requests sent")
+    parser.add_argument("--max-seconds", type=number(above=0), default=1800.0,
+                        help="upper bound on the probe's duration")
     parser.add_argument("--i-own-this-deployment", action="store_true",
                         help="allow a target that is not on loopback (only ever probe deployments you own)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def main(args: argparse.Namespace) -> int:
-    url = args.url if "://" in args.url else f"http://{args.url}"
+def _url(text: str) -> str:
+    return text if "://" in text else f"http://{text}"
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any request (``kvxfer audit probe``): a URL this probe can speak to, on loopback unless
+    ``--i-own-this-deployment``; a long prompt and room for a marker."""
+    from ...errors import ConfigError
+
+    url = _url(args.url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"URL {args.url}: not an http:// or https:// address with a host")
+    try:
+        parts.port  # noqa: B018 - raises for a port outside 0..65535
+    except ValueError as exc:
+        raise ConfigError(f"URL {args.url}: {exc}") from None
     if not is_loopback(url) and not args.i_own_this_deployment:
-        print(f"refusing to probe {url}: not a loopback address. Probe only deployments you own, and say so "
-              "with --i-own-this-deployment.", file=sys.stderr)
-        return EXIT_ERROR
+        raise ConfigError(f"--i-own-this-deployment: refusing to probe {url}: not a loopback address. Probe only "
+                          "deployments you own, and say so with --i-own-this-deployment.")
     words = args.words if args.words is not None else args.tokens
-    if words is None or words <= 0 or args.max_requests < 2:
-        print("need a positive --words/--tokens and --max-requests >= 2", file=sys.stderr)
-        return EXIT_ERROR
+    if words is None or words <= 0:
+        raise ConfigError("--words/--tokens: need a positive prompt length")
+    if args.max_requests < 2:
+        raise ConfigError(f"--max-requests {args.max_requests}: need at least 2 (a marker and the long prompt)")
+
+
+def main(args: argparse.Namespace) -> int:
+    url = _url(args.url)
+    words = args.words if args.words is not None else args.tokens
     report = run_probe(url, api=args.api, words=words, markers=args.markers, repeat=args.marker_repeat,
                        timeout=args.timeout, max_requests=args.max_requests, max_seconds=args.max_seconds)
     if args.json:
@@ -247,6 +270,14 @@ def _print(report: ProbeReport) -> None:
 
 
 if __name__ == "__main__":
+    from ...errors import ConfigError
+
     parser = argparse.ArgumentParser(prog="python -m kvxfer.tools.audit.probe")
     add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    parsed = parser.parse_args()
+    try:
+        check(parsed)
+    except ConfigError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    sys.exit(main(parsed))

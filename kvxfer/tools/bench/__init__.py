@@ -35,11 +35,17 @@ from .cases import BenchConfig, CaseResult, KvxferSession, PeerSession, Session,
 from .rounds import _run_rounds, missing_baselines, sessions_for
 
 
-def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
+def run_bench(config: BenchConfig, *, json_path: str | None = None, progress: bool | None = None) -> int:
     """Every case of a page size runs in interleaved rounds (a warm-up round first, not counted), so
     that drift on a noisy machine hits all of them alike; the median round is reported.
-    ``config.first_request``: the first-request report instead (:mod:`.first`)."""
+    ``config.first_request``: the first-request report instead (:mod:`.first`). ``progress``: a live
+    bar (default: when stdout is a terminal, :func:`kvxfer.tools.progress.wanted`).
+
+    Exit status 1 when a kvxfer case failed or measured nothing (no round completed): a run that
+    measured nothing of kvxfer is never reported as a success."""
     import tempfile
+
+    from ..progress import bar
 
     if config.pin:
         from .cases import side_cpus
@@ -50,11 +56,11 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     if config.first_request:
         from .first import run_first_request
 
-        return run_first_request(config, json_path=json_path)
+        return run_first_request(config, json_path=json_path, progress=progress)
     if config.small_requests:
         from .small import run_small_requests
 
-        return run_small_requests(config, json_path=json_path)
+        return run_small_requests(config, json_path=json_path, progress=progress)
 
     from rich.console import Console
     from rich.table import Table
@@ -63,7 +69,7 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
     results: list[CaseResult] = []
     skipped = missing_baselines(config)
     started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as node_log:
+    with tempfile.TemporaryFile("w+") as node_log, bar("bench", console, progress):
         for page_bytes in config.page_sizes:
             sessions = sessions_for(config, page_bytes, node_log, skipped)
             try:
@@ -114,7 +120,12 @@ def run_bench(config: BenchConfig, *, json_path: str | None = None) -> int:
             "ratios": ratios,
             "skipped": [{"case": name, "reason": reason} for name, reason in skipped.items()],
         }, indent=2) + "\n")
-    return 1 if any(r.error and r.transport.startswith("kvxfer") for r in results) else 0
+    measured_nothing = [r for r in results if r.transport.startswith("kvxfer") and (r.error or not r.seconds)]
+    if measured_nothing or not any(r.transport.startswith("kvxfer") for r in results):
+        console.print(f"FAIL: {len(measured_nothing)} kvxfer case(s) measured nothing" if measured_nothing
+                      else "FAIL: no kvxfer case ran", style="red", markup=False, highlight=False)
+        return 1
+    return 0
 
 
 def compute_ratios(results: list[CaseResult]) -> list[dict[str, Any]]:

@@ -157,7 +157,11 @@ def measure(config: BenchConfig, transport: str, page_bytes: int, node_log: Any)
     trips: list[float] = []
     columns: dict[str, list[dict[str, float]]] = {"cold": [], "ahead": [], "steady": []}
     paired: dict[str, list[float]] = {"cold": [], "ahead": []}  # first / the same decode's steady median
+    from ..progress import current
+
+    bar = current()
     try:
+        bar.status(f"{transport}, {page_bytes:,} B pages: warm-up decode")
         warm = pair.fresh_decode()  # not counted: the prefill's own first-use costs land here
         try:
             peer, _ = pair.connect(warm)
@@ -165,8 +169,11 @@ def measure(config: BenchConfig, transport: str, page_bytes: int, node_log: Any)
                 pair.request(warm, peer, time.monotonic())
         finally:
             warm.close()
+        bar.advance()
         for index in range(config.first_request_decodes):
             mode = "cold" if index % 2 == 0 else "ahead"  # in turn, so drift hits both alike
+            bar.status(f"{transport}, {page_bytes:,} B pages: fresh decode {index + 1}/{config.first_request_decodes} "
+                       f"({mode})")
             decode = pair.fresh_decode()
             try:
                 trips.append(pair.rpc_round_trip(decode))
@@ -185,6 +192,7 @@ def measure(config: BenchConfig, transport: str, page_bytes: int, node_log: Any)
             columns[mode].append(first)
             columns["steady"] += steady
             paired[mode].append(first["readable"] / statistics.median(r["readable"] for r in steady))
+            bar.advance()
     finally:
         pair.close()
     out: dict[str, Any] = {
@@ -259,29 +267,35 @@ def _x(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
 
-def run_first_request(config: BenchConfig, *, json_path: str | None = None) -> int:
+def run_first_request(config: BenchConfig, *, json_path: str | None = None, progress: bool | None = None) -> int:
     """Measure and print every transport and page size; 1 when a measurement failed or none ran."""
     import tempfile
 
     from rich.console import Console
     from rich.table import Table
 
+    from ..progress import bar
+
     console = Console()
     started = time.monotonic()
     transports, skipped = transports_for(config)
     rows: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
-    with tempfile.TemporaryFile("w+") as node_log, _engine_log_to(node_log):
+    with tempfile.TemporaryFile("w+") as node_log, _engine_log_to(node_log), \
+            bar("bench --first-request", console, progress) as live:
+        live.grow(len(transports) * len(config.page_sizes) * (config.first_request_decodes + 1))
         for transport in transports:
             for page_bytes in config.page_sizes:
                 console.print(f"{transport}, {page_bytes:,} B pages: a warm-up decode, then "
                               f"{config.first_request_decodes} fresh decodes (cold and peered ahead in turn), "
                               f"{config.first_request_steady} steady requests each", markup=False, highlight=False)
+                done = live.done + config.first_request_decodes + 1
                 try:
                     rows.append(measure(config, transport, page_bytes, node_log))
                 except Exception as exc:
                     failures.append({"transport": transport, "page_bytes": page_bytes,
                                      "error": f"{type(exc).__name__}: {exc}"})
+                live.advance(done - live.done)  # the steps a failed measurement left undone
         if failures:
             node_log.seek(0)
             tail = node_log.read()[-3000:]

@@ -49,8 +49,13 @@ def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], r
                 console: Any, skipped: dict[str, str] | None = None) -> None:
     """Start the sessions of one page size, run the interleaved rounds, close them. A contestant that
     turns out not to be installed (:class:`Unavailable`) goes to ``skipped`` instead of ``results``."""
+    from ..progress import current
+
+    bar = current()  # a step per start and per round of each contestant
+    bar.grow(len(sessions) * (config.repeat + 2))
     live: list[Session] = []
     for session in sessions:
+        bar.status(f"{page_bytes:,} B pages: starting {session.result.transport}")
         try:
             session.start()
             results.append(session.result)
@@ -63,19 +68,23 @@ def _run_rounds(config: BenchConfig, page_bytes: int, sessions: list[Session], r
             results.append(session.result)
             session.result.error = f"{type(exc).__name__}: {exc}"
             session.close()
+        bar.advance(1 if session in live else config.repeat + 2)
     console.print(f"{page_bytes:,} B pages: {', '.join(s.result.transport + (' (checks on)' if s.result.checks == 'on' else '') for s in live)}; {config.repeat} rounds")
     for round_no in range(config.repeat + 1):
         shift = round_no % max(1, len(live))
         for session in live[shift:] + live[:shift]:
-            if session.result.error:
-                continue
-            try:
-                seconds = session.run_once()
-            except Exception as exc:
-                session.result.error = f"{type(exc).__name__}: {exc}"
-                continue
-            if round_no:
-                session.result.runs.append(seconds)
+            if not session.result.error:
+                which = "warm-up" if not round_no else f"round {round_no}/{config.repeat}"
+                bar.status(f"{page_bytes:,} B pages, {which}: {session.result.transport}"
+                           + (" (checks on)" if session.result.checks == "on" else ""))
+                try:
+                    seconds = session.run_once()
+                    if round_no:
+                        session.result.runs.append(seconds)
+                except Exception as exc:
+                    session.result.error = f"{type(exc).__name__}: {exc}"
+            bar.advance()
+    bar.status(f"{page_bytes:,} B pages: closing")
     for session in live:
         session.close()
         if session.result.runs:

@@ -105,13 +105,16 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
     return rows, skipped
 
 
-def run_small_requests(config: BenchConfig, *, json_path: str | None = None) -> int:
+def run_small_requests(config: BenchConfig, *, json_path: str | None = None, progress: bool | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ..progress import bar
+
     console = Console()
     started = time.monotonic()
-    rows, skipped = measure(config)
+    with bar("bench --small-requests", console, progress):
+        rows, skipped = measure(config)
     name = f"kvxfer-{config.transport}"
     table = Table(title=f"kvxfer bench --small-requests ({config.transport}): per-request latency p50 / p99, ms, "
                         "one request in flight")

@@ -165,16 +165,24 @@ def _sleep_until(moment: float) -> None:
 
 def measure(config: TtftConfig, node_log: Any) -> list[dict[str, Any]]:
     """Every prompt length, both ways in turn, ``repeat`` rounds (after one uncounted warm-up each way)."""
+    from ..progress import current
+
+    bar = current()
+    bar.grow(2 + 2 * config.repeat * len(config.tokens))
     pair = TtftPair(config, node_log)
     rows = []
     try:
+        bar.status("warm-up")
         for layerwise in (False, True):
             pair.run(min(config.tokens), layerwise)
+            bar.advance()
         for tokens in config.tokens:
             runs: dict[str, list[float]] = {"whole": [], "layerwise": []}
+            bar.status(f"{tokens:,}-token prompts")
             for _ in range(config.repeat):
                 for name in ("whole", "layerwise"):
                     runs[name].append(pair.run(tokens, name == "layerwise"))
+                    bar.advance()
             floor = config.model.layers * config.model.layer_seconds(tokens)
             whole, layerwise = statistics.median(runs["whole"]), statistics.median(runs["layerwise"])
             auto = layerwise if tokens >= config.layerwise_min_tokens else whole
@@ -200,13 +208,15 @@ def crossover(rows: list[dict[str, Any]]) -> int | None:
     return found
 
 
-def run_ttft(config: TtftConfig, *, json_path: str | None = None) -> int:
+def run_ttft(config: TtftConfig, *, json_path: str | None = None, progress: bool | None = None) -> int:
     """Measure and print; 1 when a measurement failed."""
     import os
     import tempfile
 
     from rich.console import Console
     from rich.table import Table
+
+    from ..progress import bar
 
     console = Console()
     started = time.monotonic()
@@ -216,7 +226,8 @@ def run_ttft(config: TtftConfig, *, json_path: str | None = None) -> int:
                   highlight=False, soft_wrap=True)
     with tempfile.TemporaryFile("w+") as node_log:
         try:
-            rows = measure(config, node_log)
+            with bar("bench --ttft", console, progress):
+                rows = measure(config, node_log)
         except Exception as exc:
             node_log.seek(0)
             console.print(node_log.read()[-3000:], markup=False, highlight=False)

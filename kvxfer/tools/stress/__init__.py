@@ -32,10 +32,11 @@ def run_stress(config: StressConfig, *, json_path: str | None = None, report_pat
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..progress import wanted
     from . import report
 
     console = Console()
-    show = sys.stdout.isatty() if progress is None else progress
+    show = wanted(progress)  # a bar on a terminal, none on a pipe or file (--no-progress: none)
     total = config.requests
     bar: Any = None
     task = None

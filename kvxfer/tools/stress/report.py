@@ -60,6 +60,9 @@ def verdict_text(s: dict[str, Any]) -> str:
         problems.append(f"{len(s['accounting_errors'])} accounting violations")
     if not s["settled"]:
         problems.append("requests still active at the end")
+    if "completed" in s and not s["completed"]:
+        problems.append("no request ran" if not s.get("requests") else
+                        f"none of the {s['requests']:,} requests completed, so the oracle checked no page")
     if s.get("requests_unaccounted"):
         problems.append(f"{s['requests_unaccounted']:,} requests unaccounted for")
     net_errors = s.get("net_faults", {}).get("errors") or []

@@ -129,6 +129,7 @@ class StressResult:
             and not self.accounting_errors
             and not self.net_errors
             and self.settled
+            and self.outcomes["completed"] > 0  # an empty or wholly failed run checked nothing: never a pass
         )
 
     def topology(self) -> dict[str, Any]:

@@ -115,15 +115,24 @@ class StressConfig:
             raise ConfigError(f"unknown fault types {sorted(unknown)} (known: {', '.join(ALL_FAULTS)})")
         for name, rate in self.faults.items():
             if not 0.0 <= rate <= 1.0:
-                raise ConfigError(f"fault rate {name}={rate} outside [0, 1]")
+                raise ConfigError(f"--fault {name}={rate:g}: fault rate {name}={rate} outside [0, 1]")
         if self.requests is None and self.duration is None:
             raise ConfigError("give --requests, --duration or both: the workload must stop by itself")
+        if self.requests is not None and self.requests < 1:
+            raise ConfigError(f"--requests {self.requests}: run at least 1 request")
+        if self.duration is not None and not self.duration > 0:
+            raise ConfigError(f"--duration {self.duration:g}: must be above 0 seconds")
         if self.concurrency < 1:
-            raise ConfigError("concurrency must be at least 1")
+            raise ConfigError(f"--concurrency {self.concurrency}: concurrency must be at least 1")
         if self.item_len % 8 or self.item_len < 32:
-            raise ConfigError("item_len must be a multiple of 8 bytes, at least 32")
+            raise ConfigError(f"--item-len {self.item_len}: item_len must be a multiple of 8 bytes, at least 32")
         if self.prefill_pages < 1 or self.decode_pages < 1:
-            raise ConfigError("pools need at least one page")
+            raise ConfigError(f"--prefill-pages {self.prefill_pages} / --decode-pages {self.decode_pages}: pools need "
+                              "at least one page")
+        for flag, value in (("--layers", self.layers), ("--median-tokens", self.median_tokens),
+                            ("--max-chunks", self.max_chunks), ("--context", self.context)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} {value}: must be at least 1")
         self._check_topology()
         self._check_two_hosts()
         self._check_fleet()
@@ -131,35 +140,38 @@ class StressConfig:
     def _check_topology(self) -> None:
         for name in ("prefill_tp", "decode_tp"):
             if getattr(self, name) not in (1, 2, 4):
-                raise ConfigError(f"{name.replace('_', ' ')} must be 1, 2 or 4, got {getattr(self, name)}")
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: {name.replace('_', ' ')} must "
+                                  f"be 1, 2 or 4, got {getattr(self, name)}")
         for name in ("page_size", "prefill_page_size", "decode_page_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be at least 1 token, got {value}")
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: {name.replace('_', ' ')} must be at least "
+                                  f"1 token, got {value}")
         small, large = sorted((self.prefill_page, self.decode_page))
         if large % small:
-            raise ConfigError(f"page sizes {self.prefill_page} (prefill) and {self.decode_page} (decode): one must "
-                              "be a multiple of the other")
+            raise ConfigError(f"--prefill-page-size/--decode-page-size: page sizes {self.prefill_page} (prefill) and "
+                              f"{self.decode_page} (decode): one must be a multiple of the other")
         if not self.topology:
             return
         if not 1 <= self.kv_heads <= 256:
-            raise ConfigError(f"kv heads must be 1..256, got {self.kv_heads}")
+            raise ConfigError(f"--kv-heads {self.kv_heads}: kv heads must be 1..256, got {self.kv_heads}")
         for tp in (self.prefill_tp, self.decode_tp):
             if self.kv_heads % tp and tp % self.kv_heads:
-                raise ConfigError(f"{self.kv_heads} KV heads cannot be split over {tp} TP ranks (one must be a "
-                                  "multiple of the other)")
+                raise ConfigError(f"--kv-heads {self.kv_heads}: {self.kv_heads} KV heads cannot be split over {tp} "
+                                  "TP ranks (one must be a multiple of the other)")
         if self.head_bytes % 8 or self.head_bytes < 32:
-            raise ConfigError(f"head bytes must be a multiple of 8, at least 32 (each cell carries the oracle's "
-                              f"32-byte header), got {self.head_bytes}")
+            raise ConfigError(f"--head-bytes {self.head_bytes}: head bytes must be a multiple of 8, at least 32 "
+                              f"(each cell carries the oracle's 32-byte header), got {self.head_bytes}")
 
     def _check_fleet(self) -> None:
         for name in ("prefills", "decodes"):
             if not 1 <= getattr(self, name) <= MAX_FLEET:
-                raise ConfigError(f"{name} must be 1..{MAX_FLEET} processes, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} {getattr(self, name)}: {name} must be 1..{MAX_FLEET} processes, "
+                                  f"got {getattr(self, name)}")
         if not 0.0 <= self.churn <= 1.0:
-            raise ConfigError(f"churn rate {self.churn} outside [0, 1]")
+            raise ConfigError(f"--churn {self.churn:g}: churn rate {self.churn} outside [0, 1]")
         if not 0 <= self.max_joins <= MAX_FLEET:
-            raise ConfigError(f"max joins must be 0..{MAX_FLEET}, got {self.max_joins}")
+            raise ConfigError(f"--max-joins {self.max_joins}: max joins must be 0..{MAX_FLEET}, got {self.max_joins}")
         if self.fleet and self.topology:
             raise ConfigError("--prefills/--decodes/--churn run processes of one rank each with equal page sizes: "
                               "they do not combine with --prefill-tp/--decode-tp or unequal page sizes (run the "

@@ -1,4 +1,4 @@
-"""The small-request floor harnesses of tools/floor (the README's figures for a request with nothing
+"""The small-request floor harnesses of tools/floor (docs/benchmarks.md's figures for a request with nothing
 of kvxfer's around it) build and run: each moves its requests and checks every DONE against what
 landed, exiting non-zero on a disagreement."""
 

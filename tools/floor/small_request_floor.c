@@ -11,7 +11,7 @@
  * send to the consumer's after its wake (CLOCK_MONOTONIC, shared by both processes). No checks of
  * kvxfer's (admission, write guard, ledger, verification beyond the sum) and no control plane.
  *
- * Build and run (README, small requests):
+ * Build and run (docs/benchmarks.md, small requests):
  *   gcc -O2 -o /tmp/small_request_floor tools/floor/small_request_floor.c -lz -lpthread
  *   /tmp/small_request_floor REQUESTS MODE PINNED PAGES PAGE_BYTES
  * e.g. `/tmp/small_request_floor 3000 0 1 1 4096`. PINNED=1 puts the prefill on CPU 0 and the decode

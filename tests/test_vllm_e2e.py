@@ -210,6 +210,41 @@ def test_a_greedy_outputs_match_a_plain_server_token_for_token_for_1_to_10_block
     assert not any(cluster.wait_nothing_held().values())
 
 
+def test_a3_the_proxy_a_user_runs_by_hand_routes_through_prefill_and_decode(cluster):
+    """``python -m kvxfer.integrations.vllm.proxy`` (docs/vllm.md's quickstart): one POST to it, the KV
+    moved by kvxfer, the reference's tokens; a stream arrives as server-sent events; a bad flag is one line."""
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "kvxfer.integrations.vllm.proxy", "--prefill", "127.0.0.1:1",
+                          "--decode", cluster.url(cluster.decode_port)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--prefill" in bad.stderr, bad.stderr
+    port = free_ports(1)[0]
+    proxy = subprocess.Popen([sys.executable, "-m", "kvxfer.integrations.vllm.proxy", "--prefill",
+                              cluster.url(cluster.prefill_port), "--decode", cluster.url(cluster.decode_port),
+                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "listening on" in proxy.stdout.readline()
+        before = cluster.kvxfer(cluster.decode_metrics).get("outcome:RELEASED", 0)
+        prompt = prompt_of(90, salt=33)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        status, out = request_json("POST", f"http://127.0.0.1:{port}/v1/completions", body, timeout=120)
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == cluster.reference(prompt)
+        assert cluster.kvxfer(cluster.decode_metrics).get("outcome:RELEASED", 0) == before + 1
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)),
+                     {"Content-Type": "application/json"})
+        streamed = conn.getresponse().read().decode()
+        conn.close()
+        assert streamed.count("data: ") > NEW_TOKENS // 2 and "[DONE]" in streamed, streamed[:500]
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        proxy.stdout.close()
+
+
 def test_b_concurrent_requests_through_one_prefill_and_one_decode(cluster):
     prompts = [prompt_of(20 + 13 * i, salt=100 + i) for i in range(10)]
     results: dict[int, tuple[int, dict]] = {}

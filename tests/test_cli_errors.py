@@ -338,6 +338,28 @@ def test_version_says_why_the_extension_is_missing_and_what_to_install():
     assert "C compiler" in lines[2] and "python3-dev" in lines[2] and "reinstall" in lines[2]
 
 
+def test_a_command_on_the_fallback_says_so_unless_it_was_asked_for(tmp_path):
+    """Built without a compiler, the demo runs (slower) on the pure-Python path and says so once, with
+    what to install; KVXFER_PURE_PYTHON=1 (asked for) gets no note."""
+    hide = ("import sys\n"
+            "class Hide:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'kvxfer._native':\n"
+            "            raise ModuleNotFoundError('No module named ' + repr(name), name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from kvxfer.tools.cli import main\n"
+            "sys.exit(main(['demo', '--json', sys.argv[1]]))\n")
+    for value, noted in (("0", True), ("1", False)):
+        out = subprocess.run([sys.executable, "-c", hide, str(tmp_path / f"demo-{value}.json")], capture_output=True,
+                             text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "KVXFER_PURE_PYTHON": value})
+        assert out.returncode == 0, out.stderr[-2000:]
+        notes = [line for line in out.stderr.splitlines() if line.startswith("kvxfer demo: note: pure-Python")]
+        assert len(notes) == (1 if noted else 0), out.stderr[-2000:]
+        if noted:
+            assert "C compiler" in notes[0] and "reinstall" in notes[0]
+
+
 # empty and failed runs never pass -------------------------------------------------------------------------
 
 

@@ -741,6 +741,15 @@ def _exit_status(exc: SystemExit) -> int:
     return 1
 
 
+def _note_fallback(prog: str) -> None:
+    """A command that moves bytes on the pure-Python fallback says so once, unless KVXFER_PURE_PYTHON=1
+    asked for it: a build without a compiler is silent otherwise, and several times slower."""
+    from ..core import native
+
+    if not native.available() and os.environ.get("KVXFER_PURE_PYTHON") != "1":
+        print(f"{prog}: note: {native.describe()}; {native.INSTALL_HINT}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, run. A mistake is one line, ``kvxfer <command>: <reason>``, exit status 2, before any
     work; an error while working is one line too, exit status 1; ``--debug`` adds the traceback."""
@@ -767,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_transport(args)
         if args.command in STOPPABLE:
             from .procs import run_stoppable
+
+            _note_fallback(prog)
 
             return run_stoppable(prog, lambda: int(args.func(args) or 0))
         return int(args.func(args) or 0)

@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checks", default="both", choices=["on", "off", "both"],
                        help="kvxfer with its checksums on, off, or both as two cases")
     bench.add_argument("--baselines", help="comma list: raw-socket,native-stream,mooncake-tcp,nixl-ucx-tcp,ib_write_bw,"
-                       "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport)")
+                       "scattered-memcpy,two-copy-memcpy (default: those that apply to the transport), or none")
     bench.add_argument("--compare-windows", action="store_true",
                        help="verbs: run kvxfer with memory windows on and off (each against ib_write_bw)")
     bench.add_argument("--tp", metavar="P:1", default=None,
@@ -571,7 +571,9 @@ def _check_bench(args: argparse.Namespace) -> None:
     defaults = BenchConfig()
     transport = args.engine["transport"]
     baselines = defaults.baselines
-    if args.baselines is not None:
+    if args.baselines is not None and args.baselines.strip() == "none":
+        baselines = []  # kvxfer's own cases only
+    elif args.baselines is not None:
         baselines = [name.strip() for name in args.baselines.split(",") if name.strip()]
         unknown = [name for name in baselines if name not in RUNNERS]
         if unknown or not baselines:

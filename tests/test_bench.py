@@ -240,7 +240,7 @@ def test_bench_ttft_reports_layerwise_whole_and_the_floor_for_every_prompt(tmp_p
 def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
     out = tmp_path / "small.json"
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "1,8", "--page-bytes", "4K",
-                           "--requests", "20", "--repeat", "1", "--baselines", "none", "--pin", "--json", str(out)],
+                           "--requests", "200", "--repeat", "1", "--baselines", "none", "--pin", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -253,11 +253,14 @@ def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
     assert [(r["page_bytes"], r["request_pages"]) for r in rows] == [(4096, 1), (4096, 8)]
     for r in rows:
         k = r["kvxfer-tcp"]
-        assert k["requests"] == 20 and 0 < k["send_p50_s"] <= k["send_p99_s"] and 0 < k["p50_s"] <= k["p99_s"]
+        assert k["requests"] == 200 and 0 < k["send_p50_s"] <= k["send_p99_s"] and 0 < k["p50_s"] <= k["p99_s"]
+        # CPU per request on each side: a request costs each process tens of microseconds at the least, so 200
+        # of them cross /proc's 10 ms ticks; and no side spends a whole second of CPU on one small request
+        assert 0 < k["prefill_cpu_us"] < 1e6 and 0 < k["decode_cpu_us"] < 1e6, k
         assert k["from"] == "admit-to-READABLE"
         # the consumer's wait() returns after READABLE was stamped, never before
         assert k["send_p50_s"] <= k["noticed_p50_s"] <= k["noticed_p99_s"]
-    assert "kvxfer send->wait()" in proc.stdout
+    assert "kvxfer send->wait()" in proc.stdout and "CPU: each engine process" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "page counts above 0" in bad.stderr

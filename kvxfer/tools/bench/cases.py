@@ -9,6 +9,7 @@ that :mod:`.baselines` builds on them while the bench (:func:`kvxfer.tools.bench
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,6 +201,8 @@ class KvxferSession(Session):
         self.latencies: list[float] = []  # admit-to-READABLE seconds of every request of the counted rounds
         self.data_latencies: list[float] = []  # send()-to-READABLE seconds (one request in flight at a time)
         self.noticed_latencies: list[float] = []  # send() to the decode's wait() returning it READABLE
+        self.cpu_seconds = {"prefill": 0.0, "decode": 0.0}  # each node process's CPU time over the counted rounds
+        self.cpu_requests = 0
 
     def start(self) -> None:
         self.decode = spawn(self.decode_spec, stderr=self.node_log, cpus=side_cpus(self.config, "decode"))
@@ -210,10 +213,17 @@ class KvxferSession(Session):
     def run_once(self) -> float:
         self.round += 1
         plan = [[f"r{self.round}-{i}", self.per_request] for i in range(self.requests)]
+        cpu_before = {"prefill": process_cpu_seconds(self.prefill.pid), "decode": process_cpu_seconds(self.decode.pid)}
         self.decode.bench_start(requests=plan, concurrency=self.config.concurrency, peer=self.peer)
         self.prefill.bench_start(requests=plan, concurrency=self.config.concurrency)
         received = self.decode.bench_wait(timeout=3600)
         sent = self.prefill.bench_wait(timeout=3600)
+        if self.round > 1:  # CPU time per request, each side (every thread of its process, GIL holder or not)
+            for side, node in (("prefill", self.prefill), ("decode", self.decode)):
+                self.cpu_seconds[side] += process_cpu_seconds(node.pid) - cpu_before[side]
+            self.cpu_requests += self.requests
+            for side, seconds in self.cpu_seconds.items():
+                self.result.extra[f"{side}_cpu_us_per_request"] = round(1e6 * seconds / self.cpu_requests, 1)
         if not received or "error" in received or received.get("failed"):
             raise RuntimeError(f"decode half: {received}")
         if not sent or "error" in sent or sent.get("failed"):
@@ -263,6 +273,20 @@ class KvxferSession(Session):
         for node in (self.prefill, self.decode):
             if node is not None:
                 node.close()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far, all its threads (``/proc/PID/stat``; 0.0
+    where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
 def percentile(ordered: list[float], pct: float) -> float:

@@ -21,6 +21,10 @@ otherwise). Reported per request, nearest-rank p50 and p99 over every request of
   SGLang's, learns that its KV landed; the counterpart of READABLE, without its checks); Mooncake: its
   ``transfer_sync_write`` call.
 
+Beside the latencies, each kvxfer engine process's **CPU time per request** (user and system, every
+thread, from ``/proc`` over the counted rounds): in a serving engine that time competes with the
+scheduler for the GIL and the cores.
+
 The ratios kvxfer / NIXL DONE and kvxfer / Mooncake (p50, send to READABLE) and kvxfer / NIXL notified
 (p50, send to wait(): both sides' consumers informed) come from one run; below 1 kvxfer is faster.
 """
@@ -93,6 +97,9 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
                     if "noticed_latency_p50_s" in r.extra:
                         entry["noticed_p50_s"] = r.extra["noticed_latency_p50_s"]
                         entry["noticed_p99_s"] = r.extra["noticed_latency_p99_s"]
+                    for side in ("prefill", "decode"):
+                        if f"{side}_cpu_us_per_request" in r.extra:
+                            entry[f"{side}_cpu_us"] = r.extra[f"{side}_cpu_us_per_request"]
                     row[r.transport] = entry
                 kvxfer = row.get(f"kvxfer-{config.transport}", {})
                 for peer in PEERS:
@@ -118,8 +125,9 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
     name = f"kvxfer-{config.transport}"
     table = Table(title=f"kvxfer bench --small-requests ({config.transport}): per-request latency p50 / p99, ms, "
                         "one request in flight")
-    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer send->wait()", "kvxfer admit->READABLE", "NIXL DONE",
-                   "NIXL notified", "Mooncake", "/ NIXL DONE", "/ NIXL notified", "/ Mooncake"):
+    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer send->wait()", "kvxfer admit->READABLE",
+                   "kvxfer CPU us/request (prefill / decode)", "NIXL DONE", "NIXL notified", "Mooncake", "/ NIXL DONE",
+                   "/ NIXL notified", "/ Mooncake"):
         table.add_column(column, overflow="fold", justify="right")
     failed = False
     for row in rows:
@@ -134,8 +142,10 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
         ratios = [f"{row[key]:.2f}x" if key in row else "-"
                   for key in ("over_nixl-ucx-tcp_p50", "over_nixl-ucx-tcp_notified_p50", "over_mooncake-tcp_p50")]
         nixl = row.get("nixl-ucx-tcp", {})
+        cpu = (f"{k['prefill_cpu_us']:.0f} / {k['decode_cpu_us']:.0f}" if "prefill_cpu_us" in k and "decode_cpu_us" in k
+               else "-")
         table.add_row(f"{row['page_bytes']:,} B", f"{row['request_pages']} pages", cell(k, "send_p50_s", "send_p99_s"),
-                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k), cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
+                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k), cpu, cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
                       cell(row.get("mooncake-tcp", {})), *ratios)
     console.print(table)
     for peer, reason in skipped.items():
@@ -146,7 +156,9 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
                   "destination's round trip (META), which the peers leave to their users. NIXL notified: initialize_xfer "
                   "to the target's get_new_notifs returning the transfer's notification (the moment an SGLang decode "
                   "on NIXL learns its KV landed, as wait() is kvxfer's). / NIXL DONE, / Mooncake: kvxfer send->READABLE "
-                  "p50 over theirs; / NIXL notified: kvxfer send->wait() p50 over it (below 1: kvxfer is faster).", markup=False, highlight=False,
+                  "p50 over theirs; / NIXL notified: kvxfer send->wait() p50 over it (below 1: kvxfer is faster). CPU: "
+                  "each engine process's user and system time over the counted rounds, every thread, per request "
+                  "(/proc, 10 ms ticks: read it over many requests).", markup=False, highlight=False,
                   soft_wrap=True)
     console.print(f"bench took {time.monotonic() - started:.1f} s on {os.cpu_count()} cores", markup=False,
                   highlight=False)

@@ -98,9 +98,10 @@ class EngineConfig:
     max_pending_meta_bytes: int = 64 << 20  # prefill: bytes of destination page lists held per peer (pending)
     # engine adapters (SGLang, vLLM): send each layer as the forward computes it, where the destination is
     # known before the forward; prompts shorter than layerwise_min_tokens go whole (a send per layer costs
-    # more than the transfer it hides there: kvxfer bench --ttft measures the switch point)
+    # more than the transfer it hides there). 256: kvxfer bench --ttft (docs/benchmarks.md) has layer-wise
+    # never slower from 256 tokens at 1e14 and 4e14 FLOP/s, and within 5% at 256-512 at 1e15
     layerwise: bool = True
-    layerwise_min_tokens: int = 1024
+    layerwise_min_tokens: int = 256
     extra: dict[str, Any] = field(default_factory=dict)  # free-form data for callers; no setting lives here
     _: KW_ONLY
     # deprecated spellings of transport_options["verbs"][...]: accepted with a DeprecationWarning

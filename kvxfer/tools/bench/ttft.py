@@ -79,7 +79,7 @@ class TtftConfig:
     page_size: int = 64
     repeat: int = 3
     checks: str = "on"
-    layerwise_min_tokens: int = 1024
+    layerwise_min_tokens: int = 256
     transport_options: dict[str, Any] = field(default_factory=dict)
 
 

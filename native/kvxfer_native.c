@@ -380,6 +380,72 @@ static PyObject *send_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* send_runs_nowait(fd, prefix, addresses, lengths) -> int
+ * Like send_runs, but never waits for room in the socket: sendmsg with MSG_DONTWAIT until everything
+ * left or the socket's buffer is full (EAGAIN), and returns how many bytes (prefix first) left. The
+ * caller hands the rest to a thread that may block (a small request posted from the caller's thread,
+ * kvxfer/transport/tcp.py). Other errors raise OSError. */
+static PyObject *send_runs_nowait(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer prefix, addrs, lens;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iy*y*y*", &fd, &prefix, &addrs, &lens)) return NULL;
+    if (parse_runs(&addrs, &lens, &n) < 0) {
+        PyBuffer_Release(&prefix);
+        PyBuffer_Release(&addrs);
+        PyBuffer_Release(&lens);
+        return NULL;
+    }
+    int err = 0;
+    unsigned long long total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *a = (const uint64_t *)addrs.buf;
+    const uint64_t *l = (const uint64_t *)lens.buf;
+    /* piece i: -1 is the prefix, then the runs; `off` bytes of piece i are gone */
+    long i = -1;
+    size_t off = 0;
+    for (;;) {
+        while (i < (long)n && (i < 0 ? (size_t)prefix.len : (size_t)l[i]) == off) { i++; off = 0; }
+        if (i >= (long)n) break;
+        struct iovec iov[IOV_BATCH];
+        int k = 0;
+        for (long j = i; j < (long)n && k < IOV_BATCH; j++) {
+            const char *base = j < 0 ? (const char *)prefix.buf : (const char *)(uintptr_t)a[j];
+            size_t len = j < 0 ? (size_t)prefix.len : (size_t)l[j];
+            size_t skip = j == i ? off : 0;
+            if (len > skip) {
+                iov[k].iov_base = (void *)(base + skip);
+                iov[k].iov_len = len - skip;
+                k++;
+            }
+        }
+        if (k == 0) break;
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)k;
+        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) err = errno;
+            break;
+        }
+        total += (unsigned long long)r;
+        size_t sent = (size_t)r;
+        while (sent > 0 && i < (long)n) {
+            size_t left = (i < 0 ? (size_t)prefix.len : (size_t)l[i]) - off;
+            if (sent >= left) { sent -= left; i++; off = 0; }
+            else { off += sent; sent = 0; }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
+    return PyLong_FromUnsignedLongLong(total);
+}
+
 /* send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> bytes
  * Like send_runs, in groups of about `chunk` bytes: each group's item checksums are computed just
  * after the group was sent, from the cache the kernel's copy into the socket filled. (Summing first
@@ -1016,6 +1082,8 @@ static PyMethodDef methods[] = {
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
      "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},
+    {"send_runs_nowait", send_runs_nowait, METH_VARARGS,
+     "send_runs_nowait(fd, prefix, addresses, lengths) -> int: gather-send without waiting; bytes sent"},
     {"send_runs_summed", send_runs_summed, METH_VARARGS,
      "send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {NULL, NULL, 0, NULL},

@@ -26,6 +26,14 @@ from ..core.lifecycle import ReceiverState
 from ..errors import KvxferError, PoolExhausted
 
 
+def _hold_interpreter(ms: float) -> None:
+    """Pure-Python work for ``ms`` milliseconds (the interpreter is released only at its switch interval)."""
+    end = time.perf_counter() + ms / 1e3
+    spins = 0
+    while time.perf_counter() < end:
+        spins += 1
+
+
 def _admit(fn: Any, *args: Any, **kwargs: Any) -> Any:
     while True:
         try:
@@ -75,9 +83,11 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
             "latencies": latencies, "readable_at": readable_at, "noticed_at": noticed_at}
 
 
-def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) -> dict[str, Any]:
+def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int, *, busy_ms: float = 0.0) -> dict[str, Any]:
     """The prefill half; ``posted_at``: each request's ``time.monotonic()`` as its send() was called (the
-    moment the data path takes over: a driver pairs it with the decode's ``readable_at``)."""
+    moment the data path takes over: a driver pairs it with the decode's ``readable_at``). ``busy_ms``:
+    after each send() the loop computes in Python for that long, holding the interpreter as a serving
+    engine's scheduler does while it prepares the next batch (a sending thread waits for it meanwhile)."""
     pending: collections.deque[str] = collections.deque()
     failed = 0
     posted_at: list[float] = []
@@ -92,6 +102,8 @@ def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int) ->
         engine.wait_ready(rid, timeout=600)
         posted_at.append(time.monotonic())
         engine.send(rid)
+        if busy_ms:
+            _hold_interpreter(busy_ms)
         pending.append(rid)
     while pending:
         try:

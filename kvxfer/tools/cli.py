@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "one in flight, beside NIXL and Mooncake where installed (checks on; pages of "
                        "--page-bytes, default 4K and 64K)")
     bench.add_argument("--requests", type=integer(1), default=200, help="--small-requests: requests per round and size")
+    bench.add_argument("--busy-caller", type=number(0, 1000), default=0.0, metavar="MS",
+                       help="--small-requests: the prefill's caller keeps the interpreter busy for MS milliseconds "
+                       "after each send(), as a serving engine's scheduler goes on with Python work (default 0)")
     bench.add_argument("--pin", action="store_true",
                        help="run the prefill side's processes (kvxfer's prefill, a peer's initiator) on the first half "
                        "of the CPUs and the decode side's (kvxfer's decode, a peer's target) on the rest, as on two "
@@ -565,6 +568,8 @@ def _check_bench(args: argparse.Namespace) -> None:
     from .bench import BenchConfig
     from .bench.baselines import RUNNERS
 
+    if args.busy_caller and args.small_requests is None:
+        raise ConfigError("--busy-caller applies to --small-requests only")
     if args.ttft:
         args.bench_config = _ttft_config(args)
         return
@@ -604,6 +609,7 @@ def _check_bench(args: argparse.Namespace) -> None:
         first_request_transports=[transport] if args.transport or os.environ.get("KVXFER_TRANSPORT") else None,
         small_requests=small,
         small_requests_count=max(2, args.requests),
+        caller_busy_ms=args.busy_caller,
         pin=args.pin,
     )
     if args.first_request and not args.page_bytes:

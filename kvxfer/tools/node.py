@@ -251,9 +251,10 @@ class _Node:
 
     # benchmark -----------------------------------------------------------------------------------
     def rpc_bench_start(self, requests: list[list[Any]], concurrency: int, peer: str | None = None,
-                        peers: list[str] | None = None) -> None:
+                        peers: list[str] | None = None, busy_ms: float = 0.0) -> None:
         """Start this node's half of a benchmark in the background (see kvxfer.tools.bench_loops); a
-        decode's ``peers``: the prefill ranks that write each request's heads."""
+        decode's ``peers``: the prefill ranks that write each request's heads; a prefill's ``busy_ms``:
+        Python work after each send() (:func:`~kvxfer.tools.bench_loops.send_loop`)."""
         import threading
 
         from . import bench_loops as loops
@@ -267,7 +268,7 @@ class _Node:
                     writer = peer or (None if peers else self.engine.receiver.default_peer())
                     result = loops.receive_loop(self.engine, writer, plan, concurrency, peers=peers)
                 else:
-                    result = loops.send_loop(self.engine, plan, concurrency)
+                    result = loops.send_loop(self.engine, plan, concurrency, busy_ms=busy_ms)
             except Exception as exc:  # reported to the driver
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             self._bench_result = result

@@ -31,6 +31,10 @@ class TcpOptions:
     # threads that send for every data connection of a prefill (one link is served by one at a time):
     # threads do not grow with peers; this many receivers that stop reading can stall sends at once
     send_threads: int = field(default=8, metadata={"env": "KVXFER_TCP_SEND_THREADS"})
+    # a small request (one frame with its DONE) posted on an idle connection leaves from the thread that
+    # posts it, never waiting for the socket (what it does not take at once goes on a sending thread);
+    # off: every send goes through the sending threads
+    inline_send: bool = field(default=True, metadata={"env": "KVXFER_TCP_INLINE_SEND"})
 
     def __post_init__(self) -> None:
         _check_threads("tcp", self.send_threads)

@@ -37,6 +37,7 @@ exactly once, either to the fencer (return value) or through ``on_closed``.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import logging
@@ -69,7 +70,7 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import FrameLink, OrderedJob, WriteJob
+from .framed import FrameLink, OrderedJob, RawJob, WriteJob
 from .lanes import DEFAULT_THREADS, SendLanes
 from .options import TcpOptions
 from .staging import Staging, copy_engine, packed_offsets
@@ -714,6 +715,24 @@ class _Wire:
     payload: tuple[bytes, bytes, bytes]
 
 
+def _unsent(wire: _Wire, sent: int) -> bytes:
+    """The bytes of ``wire`` (its prefix, then each run: the pages and the ordered frame) after the
+    first ``sent``, copied out of the sources."""
+    pieces, skip = [], sent
+    if skip < len(wire.prefix):
+        pieces.append(wire.prefix[skip:])
+        skip = 0
+    else:
+        skip -= len(wire.prefix)
+    for address, length in zip(wire.addresses.tolist(), wire.lengths.tolist()):
+        if skip >= length:
+            skip -= length
+            continue
+        pieces.append(ctypes.string_at(address + skip, length - skip))
+        skip = 0
+    return b"".join(pieces)
+
+
 def _close_quietly(sock: socket.socket) -> None:
     try:
         sock.close()
@@ -739,8 +758,13 @@ class TcpLink(FrameLink):
         timeout: float = 10.0,
         checksum: Any = None,
         staging: str | None = None,
+        inline_send: bool = True,
     ) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
+        # a small request (one batch that leaves with its DONE) posted on an idle link leaves from the
+        # posting thread (unhold): no lane's wake-up, and no wait for the interpreter while the caller
+        # goes on with Python work (a serving engine's scheduler)
+        self.inline_send = inline_send
         self.layout = layout
         self.address = address
         self._init_lane(lanes)
@@ -748,6 +772,8 @@ class TcpLink(FrameLink):
         self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
         self.sent_with_ordered = 0  # write batches that left in one sendmsg with the ordered message behind them
         self.sent_prepared = 0  # ... of which prepared when the destination arrived (prepare)
+        self.sent_inline = 0  # ... of which left from the posting thread (unhold), no lane involved
+        self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -777,6 +803,60 @@ class TcpLink(FrameLink):
         with self._cond:
             self._lost = reason
             self._kick()
+
+    def unhold(self) -> None:
+        """The last :meth:`unhold` of a post: a small request's writes and DONE, alone on an idle link,
+        leave from this thread at once (:meth:`_send_inline`); anything else is scheduled on a lane."""
+        with self._cond:
+            self._holding -= 1
+            if self._holding or not self._queue:
+                return
+            claimed = self._claim_inline()
+            if claimed is None:
+                self._kick()
+                return
+        self._send_inline(*claimed)
+
+    def _claim_inline(self) -> tuple[WriteJob, OrderedJob] | None:
+        """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
+        scheduled, so no lane serves it meanwhile), when they are one whole small batch and the ordered
+        message behind it on an idle link whose sources need no wait; else None."""
+        if (not self.inline_send or self._scheduled or self._closing or self._lost is not None or self._corked
+                or self._ended.is_set() or len(self._queue) != 2):
+            return None
+        job, behind = self._queue
+        if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled
+                or job.batch.ready is not None or not self._sends_whole(job.batch)):
+            return None
+        self._scheduled = True
+        self._serving = threading.current_thread()
+        return self._queue.popleft(), self._queue.popleft()
+
+    def _send_inline(self, job: WriteJob, ordered: OrderedJob) -> None:
+        """Send a claimed small request from the posting thread without ever waiting for the socket:
+        what it does not take at once (its buffer is full) is copied and left to a lane, first in the
+        queue. A failing socket ends the link on a lane, as a lane's own failure would."""
+        rest: bytes | None = None
+        try:
+            rest = self._send_batch_with_ordered(job, ordered, wait=False)
+            self.sent_inline += 1
+            if rest:
+                self.inline_rest += 1
+        except Exception as exc:  # the link ends on a lane with this reason, as a lane's own failure would
+            reason = (f"connection lost: {exc}" if isinstance(exc, OSError)
+                      else f"sending failed: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, OSError):
+                log.error("data connection to %s: %s", self.address, reason)
+            with self._cond:
+                self._lost = self._lost or reason
+        finally:
+            with self._cond:
+                self._serving = None
+                self._scheduled = False
+                if rest:
+                    self._queue.appendleft(RawJob([rest]))
+                if not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
+                    self._kick()
 
     def serve_step(self) -> None:
         """One step on a lane: the next job, the end of a closing link with nothing queued, or (fault
@@ -882,17 +962,22 @@ class TcpLink(FrameLink):
         return _Wire(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
                      payload=(addresses[:n].tobytes(), lengths[:n].tobytes(), cut.units.astype(np.uint64).tobytes()))
 
-    def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob) -> None:
+    def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob, *, wait: bool = True) -> bytes:
         """One WRITE frame (the whole batch) and the ordered message behind it, in one sendmsg. The
         batch's item checksums are taken first (the message, a DONE, combines them), then the
         message is built exactly as its own step would build it; the batch is reported sent after
-        the call, or failed (and the connection ends) if it raises."""
+        the call, or failed (and the connection ends) if it raises. Without ``wait`` (the posting
+        thread, :meth:`_send_inline`) the socket is never waited for: returns the bytes it did not
+        take (copied, so the sources are free), which the caller must send next; else b""."""
         batch = job.batch
         if not batch.wait_sources():  # dropped unsent meanwhile (a close without flush, a failed ready event):
             # the message goes alone (a DONE behind cancelled writes is built as a writer ABORT)
             job.on_complete(batch, 0, len(batch))
-            send_all(self._sock, [self._ordered_frame(ordered)])
-            return
+            frame = self._ordered_frame(ordered)
+            if not wait:
+                return frame
+            send_all(self._sock, [frame])
+            return b""
         wire = batch.wire
         if wire is None:
             wire = self._wire(batch)
@@ -904,14 +989,22 @@ class TcpLink(FrameLink):
         trailer = np.frombuffer(self._ordered_frame(ordered), dtype=np.uint8)
         wire.addresses[-1] = trailer.__array_interface__["data"][0]
         wire.lengths[-1] = trailer.size
+        rest = b""
         try:
-            native.lib.send_runs(self._sock.fileno(), wire.prefix, wire.addresses.tobytes(), wire.lengths.tobytes())
+            if wait:
+                native.lib.send_runs(self._sock.fileno(), wire.prefix, wire.addresses.tobytes(),
+                                     wire.lengths.tobytes())
+            else:
+                sent = native.lib.send_runs_nowait(self._sock.fileno(), wire.prefix, wire.addresses.tobytes(),
+                                                   wire.lengths.tobytes())
+                rest = _unsent(wire, sent)
         except BaseException:
             job.on_complete(batch, 0, len(batch))
             raise
         self.bytes_sent += wire.nbytes
         self.sent_with_ordered += 1
         job.on_complete(batch, len(batch), 0)
+        return rest
 
     def _send_batch(self, job: WriteJob) -> None:
         if not job.batch.wait_sources():  # cancelled, or its ready event failed: nothing of it is sent
@@ -1041,17 +1134,18 @@ class TcpTransport(SenderTransport):
     capabilities = CAPABILITIES
 
     def __init__(self, layout: KVLayout, *, checksum: Any = None, staging: str | None = None,
-                 send_threads: int = DEFAULT_THREADS) -> None:
+                 send_threads: int = DEFAULT_THREADS, inline_send: bool = True) -> None:
         self.layout = layout
         self.checksum = checksum
         self.staging = staging
+        self.inline_send = inline_send
         self.lanes = SendLanes("tcp", threads=send_threads)
 
     def connect(self, request: LinkRequest) -> TcpLink:
         address = decode_offer(request.blob)
         connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
         return TcpLink(self.layout, address, connect=connect, on_closed=request.on_closed, faults=request.faults,
-                       checksum=self.checksum, staging=self.staging, lanes=self.lanes)
+                       checksum=self.checksum, staging=self.staging, lanes=self.lanes, inline_send=self.inline_send)
 
     def close(self) -> None:
         self.lanes.close()
@@ -1075,7 +1169,8 @@ def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverH
 
 def _sender(layout: KVLayout, config: Any) -> TcpTransport:
     options = _options(config)
-    return TcpTransport(layout, checksum=config.checksum, staging=options.staging, send_threads=options.send_threads)
+    return TcpTransport(layout, checksum=config.checksum, staging=options.staging, send_threads=options.send_threads,
+                        inline_send=options.inline_send)
 
 
 TRANSPORT = TransportFactory(

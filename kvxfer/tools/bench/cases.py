@@ -54,6 +54,7 @@ class BenchConfig:
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
     compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
+    compare_inline: bool = False  # tcp: also kvxfer with inline_send off (every send from a sending thread)
     tp: str | None = None  # "P:1": also prefill TP P into decode TP 1, its own case (kvxfer.tools.bench.tp)
     # --first-request (kvxfer.tools.bench.first): first request to fresh decodes against steady state
     first_request: bool = False
@@ -63,6 +64,7 @@ class BenchConfig:
     # --small-requests (kvxfer.tools.bench.small): per-request latency of requests of these many pages
     small_requests: list[int] | None = None
     small_requests_count: int = 200  # requests per round and size
+    caller_busy_ms: float = 0.0  # the prefill's caller holds the interpreter this long after each send()
     # --pin: the prefill side's processes (kvxfer's prefill, a peer's initiator) on one half of this
     # machine's CPUs, the decode side's (kvxfer's decode, a peer's target) on the other: two machines
     pin: bool = False
@@ -166,10 +168,11 @@ class KvxferSession(Session):
     in flight, destination and source pages at random across the pools."""
 
     def __init__(self, config: BenchConfig, page_bytes: int, checks: str, node_log: Any,
-                 windows: str | None = None) -> None:
+                 windows: str | None = None, inline: bool = True) -> None:
         pages, self.per_request, self.requests, pool_pages = _geometry(config, page_bytes)
-        # ``windows`` (verbs): force memory windows "on" or "off" for this case; "off" is its own case name
-        name = f"kvxfer-{config.transport}" + ("-windows-off" if windows == "off" else "")
+        # ``windows`` (verbs): force memory windows "on" or "off" for this case; "off" is its own case name;
+        # ``inline`` False (tcp): every send from a sending thread, the case "kvxfer-tcp-lanes"
+        name = f"kvxfer-{config.transport}" + ("-windows-off" if windows == "off" else "") + ("" if inline else "-lanes")
         super().__init__(CaseResult(transport=name, page_bytes=page_bytes,
                                     bytes=pages * page_bytes, seconds=0.0, checks=checks))
         self.config = config
@@ -179,6 +182,9 @@ class KvxferSession(Session):
             verbs = options.get("verbs") or {}
             options["verbs"] = {**(verbs if isinstance(verbs, dict) else vars(verbs)), "windows": windows}
             self.result.extra["windows"] = windows
+        if not inline:
+            tcp = options.get("tcp") or {}
+            options["tcp"] = {**(tcp if isinstance(tcp, dict) else vars(tcp)), "inline_send": False}
         engine = {
             "max_context": self.per_request,
             "transport": config.transport,
@@ -215,7 +221,8 @@ class KvxferSession(Session):
         plan = [[f"r{self.round}-{i}", self.per_request] for i in range(self.requests)]
         cpu_before = {"prefill": process_cpu_seconds(self.prefill.pid), "decode": process_cpu_seconds(self.decode.pid)}
         self.decode.bench_start(requests=plan, concurrency=self.config.concurrency, peer=self.peer)
-        self.prefill.bench_start(requests=plan, concurrency=self.config.concurrency)
+        self.prefill.bench_start(requests=plan, concurrency=self.config.concurrency,
+                                 busy_ms=self.config.caller_busy_ms)
         received = self.decode.bench_wait(timeout=3600)
         sent = self.prefill.bench_wait(timeout=3600)
         if self.round > 1:  # CPU time per request, each side (every thread of its process, GIL holder or not)

@@ -49,7 +49,8 @@ def _config_for(config: BenchConfig, page_bytes: int, pages: int) -> BenchConfig
     request = pages * page_bytes
     return replace(config, request_bytes=request, total_bytes=config.small_requests_count * request,
                    total_bytes_small_pages=None, concurrency=1, checks="on", page_sizes=[page_bytes],
-                   baselines=[b for b in config.baselines if b in PEERS], tp=None, compare_windows=False)
+                   baselines=[b for b in config.baselines if b in PEERS], tp=None, compare_windows=False,
+                   compare_inline=config.transport == "tcp")
 
 
 def _ms(value: float | None) -> str:
@@ -102,6 +103,9 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
                             entry[f"{side}_cpu_us"] = r.extra[f"{side}_cpu_us_per_request"]
                     row[r.transport] = entry
                 kvxfer = row.get(f"kvxfer-{config.transport}", {})
+                lanes = row.get(f"kvxfer-{config.transport}-lanes", {})
+                if kvxfer.get("send_p50_s") and lanes.get("send_p50_s"):
+                    row["over_lanes_p50"] = round(kvxfer["send_p50_s"] / lanes["send_p50_s"], 3)
                 for peer in PEERS:
                     theirs = row.get(peer, {})
                     if kvxfer.get("send_p50_s") and theirs.get("p50_s"):
@@ -123,10 +127,11 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
     with bar("bench --small-requests", console, progress):
         rows, skipped = measure(config)
     name = f"kvxfer-{config.transport}"
+    busy = f", the prefill's caller busy {config.caller_busy_ms:g} ms after each send()" if config.caller_busy_ms else ""
     table = Table(title=f"kvxfer bench --small-requests ({config.transport}): per-request latency p50 / p99, ms, "
-                        "one request in flight")
+                        f"one request in flight{busy}")
     for column in ("page", "request", "kvxfer send->READABLE", "kvxfer send->wait()", "kvxfer admit->READABLE",
-                   "kvxfer CPU us/request (prefill / decode)", "NIXL DONE", "NIXL notified", "Mooncake", "/ NIXL DONE",
+                   "kvxfer CPU us/request (prefill / decode)", "lanes send->READABLE / CPU", "NIXL DONE", "NIXL notified", "Mooncake", "/ NIXL DONE",
                    "/ NIXL notified", "/ Mooncake"):
         table.add_column(column, overflow="fold", justify="right")
     failed = False
@@ -144,8 +149,11 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
         nixl = row.get("nixl-ucx-tcp", {})
         cpu = (f"{k['prefill_cpu_us']:.0f} / {k['decode_cpu_us']:.0f}" if "prefill_cpu_us" in k and "decode_cpu_us" in k
                else "-")
+        lanes = row.get(f"{name}-lanes")
+        lanes_cell = "-" if lanes is None else cell(lanes, "send_p50_s", "send_p99_s") + (
+            f" / {lanes['prefill_cpu_us']:.0f} / {lanes['decode_cpu_us']:.0f}" if "prefill_cpu_us" in lanes else "")
         table.add_row(f"{row['page_bytes']:,} B", f"{row['request_pages']} pages", cell(k, "send_p50_s", "send_p99_s"),
-                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k), cpu, cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
+                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k), cpu, lanes_cell, cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
                       cell(row.get("mooncake-tcp", {})), *ratios)
     console.print(table)
     for peer, reason in skipped.items():
@@ -158,7 +166,9 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
                   "on NIXL learns its KV landed, as wait() is kvxfer's). / NIXL DONE, / Mooncake: kvxfer send->READABLE "
                   "p50 over theirs; / NIXL notified: kvxfer send->wait() p50 over it (below 1: kvxfer is faster). CPU: "
                   "each engine process's user and system time over the counted rounds, every thread, per request "
-                  "(/proc, 10 ms ticks: read it over many requests).", markup=False, highlight=False,
+                  "(/proc, 10 ms ticks: read it over many requests). lanes (tcp): kvxfer with inline_send off, every "
+                  "send from a sending thread instead of the caller's (send->READABLE p50 / p99, then CPU us per "
+                  "request, prefill / decode), in the same rounds.", markup=False, highlight=False,
                   soft_wrap=True)
     console.print(f"bench took {time.monotonic() - started:.1f} s on {os.cpu_count()} cores", markup=False,
                   highlight=False)

@@ -1,0 +1,104 @@
+"""A small request leaves from the caller's thread (tcp ``inline_send``, kvxfer/transport/tcp.py).
+
+A request whose writes fit one frame, posted with its DONE on an idle connection, is handed to the
+kernel by the thread that calls ``send()``: no sending thread is woken, and none has to wait for the
+interpreter while the caller goes on with Python work (``kvxfer bench --small-requests --busy-caller``
+measures that). The caller never waits for the socket: what a full socket does not take at once is
+copied and sent by a sending thread, first in the connection's queue. Real engines over real
+sockets; the receiving side is the same either way, so every request here is verified there.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvxfer import DecodeEngine, PrefillEngine
+from kvxfer.core import native
+from kvxfer.core.lifecycle import ReceiverState
+from kvxfer.engine.config import EngineConfig
+from kvxfer.wire.auth import Keyring
+
+from .conftest import PAGE_TOKENS, close_checked, fill_random, make_layout
+
+pytestmark = pytest.mark.skipif(native.lib is None, reason="the tcp inline send needs the C data path (kvxfer._native)")
+
+
+def landed(pair_prefill: PrefillEngine, decode: DecodeEngine, rid: str) -> bool:
+    """The decode's pages of ``rid`` hold what the prefill's source pages held, buffer by buffer."""
+    src = pair_prefill.sender.source_pages(rid)
+    dst = decode.status(rid).pages
+    return all(np.array_equal(s[src], d[dst]) for s, d in zip(pair_prefill.layout.views(), decode.layout.views()))
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "lanes"])
+def test_a_small_request_is_in_the_socket_when_send_returns(engines, inline):
+    """With ``inline_send`` each one-page request's frame and DONE left in one sendmsg before send()
+    returned (no sending thread was involved); with it off a sending thread sends them later. Every
+    request is READABLE with the prefill's bytes either way."""
+    pair = engines(fault_injection=False, transport_options={"tcp": {"inline_send": inline}})
+    p, d = pair.prefill, pair.decode
+    link = pair.link
+    for i in range(20):
+        rid = f"small-{i}"
+        d.admit(rid, PAGE_TOKENS, peer=pair.peer)
+        p.admit(rid, PAGE_TOKENS)
+        fill_random(p.layout, p.sender.source_pages(rid), seed=i)
+        p.wait_ready(rid, timeout=10)
+        before = link.sent_with_ordered
+        p.send(rid)
+        if inline:
+            assert link.sent_with_ordered == before + 1, "send() returned before its request was handed to the kernel"
+        req = d.wait(rid, timeout=10)
+        assert req.state is ReceiverState.READABLE, req.describe() if hasattr(req, "describe") else req.state
+        assert landed(p, d, rid)
+        d.release(rid)
+        p.wait(rid, timeout=10)
+    assert link.sent_inline == (20 if inline else 0)
+    assert link.inline_rest == 0
+
+
+def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
+    """The decode stops reading (its data thread waits for the engine's lock, which the test holds) and
+    the connection's send buffer is small: send() of a 240 KiB request still returns at once, the part
+    the socket did not take is sent by a sending thread, and once the decode reads again the request
+    is READABLE with the prefill's bytes. A request posted meanwhile goes behind it, in order."""
+    rings = Keyring.cluster(["prefill", "decode"])
+    item = 16 << 10  # 3 buffers: 48 KiB a page; 5 pages fit one frame with DONE (256 KiB)
+    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
+    made = []
+    try:
+        p = PrefillEngine(make_layout(64, item=item), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
+        made.append(p)
+        d = DecodeEngine(make_layout(128, item=item), EngineConfig(**{**vars(config), "keyring": rings["decode"]}))
+        made.append(d)
+        peer = d.connect(p.address)
+        tokens = 5 * PAGE_TOKENS
+        rids = ["big-0", "big-1"]
+        for i, rid in enumerate(rids):
+            d.admit(rid, tokens, peer=peer)
+            p.admit(rid, tokens)
+            fill_random(p.layout, p.sender.source_pages(rid), seed=100 + i)
+            p.wait_ready(rid, timeout=10)
+        link = p.peers[d.engine_id].link
+        link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        returned = []
+        with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
+            for rid in rids:
+                sender = threading.Thread(target=lambda rid=rid: returned.append(p.send(rid)), daemon=True)
+                sender.start()
+                sender.join(5)
+                assert not sender.is_alive(), "send() waited for a socket the receiver does not read"
+            assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
+        for rid in rids:
+            req = d.wait(rid, timeout=20)
+            assert req.state is ReceiverState.READABLE, (rid, req.state, req.error)
+            assert landed(p, d, rid), rid
+            d.release(rid)
+            p.wait(rid, timeout=10)
+        assert len(returned) == 2
+    finally:
+        close_checked(made)

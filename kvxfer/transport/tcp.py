@@ -21,6 +21,10 @@ source pages) and reports completions; a batch whose request was aborted before 
 unsent and reported complete-but-failed. Links have no thread of their own: the transport's
 :class:`~kvxfer.transport.lanes.SendLanes` (``send_threads`` of them, 8 by default) serve every link a
 step at a time, and its watcher ends a link whose receiver closed its end as soon as that happens.
+A small request (one frame with the DONE behind it) posted on an idle link is the exception
+(``inline_send``, :meth:`TcpLink.unhold`): the posting thread claims the link as a lane would and hands
+the kernel what it takes without waiting (``send_runs_nowait``); a sending lane sends the rest, a copy,
+before anything posted after it.
 
 Frames carry at most :func:`frame_limit` payload bytes (the size of a staging buffer: 32 MiB, or one
 item when an item is larger; both ends compute it from their compatible layouts), whatever the

@@ -35,11 +35,13 @@ def landed(pair_prefill: PrefillEngine, decode: DecodeEngine, rid: str) -> bool:
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "lanes"])
-def test_a_small_request_is_in_the_socket_when_send_returns(engines, inline):
-    """With ``inline_send`` each one-page request's frame and DONE left in one sendmsg before send()
-    returned (no sending thread was involved); with it off a sending thread sends them later. Every
-    request is READABLE with the prefill's bytes either way."""
-    pair = engines(fault_injection=False, transport_options={"tcp": {"inline_send": inline}})
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_small_request_has_left_when_send_returns(engines, transport, inline):
+    """With ``inline_send`` each one-page request's frame and DONE left (the socket, or the ring) before
+    send() returned: no sending thread was involved; with it off a sending thread sends them later.
+    Every request is READABLE with the prefill's bytes either way."""
+    pair = engines(fault_injection=False, transport=transport,
+                   transport_options={transport: {"inline_send": inline}})
     p, d = pair.prefill, pair.decode
     link = pair.link
     for i in range(20):
@@ -48,17 +50,17 @@ def test_a_small_request_is_in_the_socket_when_send_returns(engines, inline):
         p.admit(rid, PAGE_TOKENS)
         fill_random(p.layout, p.sender.source_pages(rid), seed=i)
         p.wait_ready(rid, timeout=10)
-        before = link.sent_with_ordered
+        before = link.frames_sent
         p.send(rid)
         if inline:
-            assert link.sent_with_ordered == before + 1, "send() returned before its request was handed to the kernel"
+            assert link.frames_sent == before + 2, "send() returned before its request and DONE had left"
         req = d.wait(rid, timeout=10)
         assert req.state is ReceiverState.READABLE, req.describe() if hasattr(req, "describe") else req.state
         assert landed(p, d, rid)
         d.release(rid)
         p.wait(rid, timeout=10)
     assert link.sent_inline == (20 if inline else 0)
-    assert link.inline_rest == 0
+    assert getattr(link, "inline_rest", 0) == 0 and getattr(link, "inline_deferred", 0) == 0
 
 
 def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
@@ -102,3 +104,34 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
         assert len(returned) == 2
     finally:
         close_checked(made)
+
+
+def test_a_ring_without_room_leaves_the_request_to_a_sending_thread(engines):
+    """shm: the decode stops reading (its reader waits for the engine's lock, which the test holds) with
+    a ring of 64 KiB: the first request fills most of it from the caller's thread, the second does not
+    fit and send() still returns at once, leaving it to a sending thread; once the decode reads again
+    both are READABLE with the prefill's bytes."""
+    pair = engines(fault_injection=False, transport="shm", transport_options={"shm": {"ring_bytes": 64 << 10}})
+    p, d = pair.prefill, pair.decode
+    link = pair.link
+    rids = ["ring-0", "ring-1"]
+    for i, rid in enumerate(rids):  # 16 pages of 3 KiB: 48 KiB and a run table, one frame each
+        d.admit(rid, 16 * PAGE_TOKENS, peer=pair.peer)
+        p.admit(rid, 16 * PAGE_TOKENS)
+        fill_random(p.layout, p.sender.source_pages(rid), seed=200 + i)
+        p.wait_ready(rid, timeout=10)
+    returned = []
+    with d.lock:
+        for rid in rids:
+            sender = threading.Thread(target=lambda rid=rid: returned.append(p.send(rid)), daemon=True)
+            sender.start()
+            sender.join(5)
+            assert not sender.is_alive(), "send() waited for room in a ring the receiver does not read"
+        assert (link.sent_inline, link.inline_deferred) == (1, 1)
+    for rid in rids:
+        req = d.wait(rid, timeout=20)
+        assert req.state is ReceiverState.READABLE, (rid, req.state, req.error)
+        assert landed(p, d, rid), rid
+        d.release(rid)
+        p.wait(rid, timeout=10)
+    assert len(returned) == 2

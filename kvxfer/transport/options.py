@@ -50,6 +50,10 @@ class ShmOptions:
     directory: str = field(default="/dev/shm", metadata={"env": "KVXFER_SHM_DIR"})  # where rings are created
     # threads that put frames into the rings of every connection of a prefill (one ring at a time each)
     send_threads: int = field(default=8, metadata={"env": "KVXFER_SHM_SEND_THREADS"})
+    # a small request (its writes in one frame, then its DONE) posted on an idle connection goes into the
+    # ring from the posting thread when the ring has room for it (else from a sending thread); off: always
+    # from a sending thread
+    inline_send: bool = field(default=True, metadata={"env": "KVXFER_SHM_INLINE_SEND"})
 
     def __post_init__(self) -> None:
         _check_threads("shm", self.send_threads)

@@ -138,7 +138,7 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import FrameLink, OrderedJob, WriteJob
+from .framed import FrameLink, OrderedJob, RawJob, WriteJob
 from .lanes import SendLanes
 from .options import ShmOptions
 
@@ -171,6 +171,7 @@ RING_NAME = re.compile(r"kvxfer-ring-(\d+)-[0-9a-f]{32}")
 # otherwise need many (512 runs of 4 KiB are 2 MiB)
 FRAME_MAX_RUNS = f.MAX_RUNS
 FRAME_BYTES = 64 << 20  # payload of one frame, unless an item is larger; frames stream through the ring
+INLINE_MAX_BYTES = 256 << 10  # a request this small, alone on an idle link, goes into the ring from the posting thread
 SUM_CHUNK = 256 << 10  # copy this much, checksum it while it is still in cache, publish the position
 PY_CHUNK = 1 << 20  # the pure-Python path moves at most this much between two position updates
 WAIT_SLICE = 0.05  # a native wait returns to Python at least this often (to look at what C does not see)
@@ -786,9 +787,13 @@ class ShmLink(FrameLink):
 
     def __init__(self, layout: KVLayout, ring: _Ring, *, connect: m.Connect,
                  on_closed: Callable[[ShmLink, str], None], lanes: SendLanes, faults: FaultInjector | None = None,
-                 checksum: Any = None, reader_pid: int | None = None) -> None:
+                 checksum: Any = None, reader_pid: int | None = None, inline_send: bool = True) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
         self._init_lane(lanes)
+        # a small request posted on an idle link goes into the ring from the posting thread (unhold)
+        self.inline_send = inline_send
+        self.sent_inline = 0  # write batches put into the ring by the posting thread
+        self.inline_deferred = 0  # small requests claimed for it that a sending thread took (no room in the ring)
         self._next_pid_check = 0.0
         self.layout = layout
         self.ring = ring
@@ -803,6 +808,7 @@ class ShmLink(FrameLink):
             raise TransportError(f"an item of {self.frame_limit} bytes is larger than a frame may carry "
                                  f"({f.MAX_PAYLOAD} bytes)")
         self._abort_word = np.zeros(1, dtype=np.uint64)  # ring_copy gives up when this is 1 (abort)
+        self._lost: str | None = None  # a step from the posting thread failed: the next lane step ends the link
         self._producer = 0
         self._abort = False
         self._unmapped = False
@@ -874,6 +880,79 @@ class ShmLink(FrameLink):
         if at > self._producer:
             self._publish(at - self._producer)
 
+    # from the posting thread -------------------------------------------------------------------------------
+    def unhold(self) -> None:
+        """The last :meth:`unhold` of a post: a small request's writes and DONE, alone on an idle link,
+        go into the ring from this thread when it has room (:meth:`_send_inline`); else a lane's step."""
+        with self._cond:
+            self._holding -= 1
+            if self._holding or not self._queue:
+                return
+            claimed = self._claim_inline()
+            if claimed is None:
+                self._kick()
+                return
+        self._send_inline(*claimed)
+
+    def _claim_inline(self) -> tuple[WriteJob, OrderedJob, FrameCut] | None:
+        """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
+        scheduled), when they are a batch of one frame on the C path and the ordered message behind it,
+        on an idle link whose sources need no wait; else None."""
+        if (not self.inline_send or self._scheduled or self._closing or self._abort or self._ended.is_set()
+                or self.faults is not None or _native() is None or len(self._queue) != 2):
+            return None
+        job, behind = self._queue
+        if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled
+                or job.batch.ready is not None or job.batch.nbytes > INLINE_MAX_BYTES):
+            return None
+        cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
+        if len(cuts) != 1:
+            return None
+        self._scheduled = True
+        self._serving = threading.current_thread()
+        self._queue.clear()
+        return job, behind, cuts[0]
+
+    def _free(self) -> int:
+        """Bytes of the ring the writer may fill now without waiting."""
+        return self.ring.size - (self._producer - self.ring.load(W_CONSUMER))
+
+    def _send_inline(self, job: WriteJob, ordered: OrderedJob, cut: FrameCut) -> None:
+        """Put a claimed small request into the ring from the posting thread, a whole frame at a time and
+        only where the ring has room for it, so it never waits: what does not fit (the batch, or the
+        ordered frame built after it) goes back first in the queue for a lane. A fenced reader or any
+        failure ends the link on a lane, as a lane's own failure would."""
+        requeue: list[Any] = []
+        try:
+            self._check_reader()
+            frame = f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes
+            if self._free() < frame:
+                requeue = [job, ordered]
+                self.inline_deferred += 1
+                return
+            self._send_batch_frames(job, [cut], lambda batch, c, last: self._send_frame(batch, c, last=last))
+            self.frames_sent += 1
+            self.sent_inline += 1
+            msg = ordered.msg() if callable(ordered.msg) else ordered.msg
+            trailer = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=ordered.slot, generation=ordered.gen)
+            if self._free() < len(trailer):
+                requeue = [RawJob([trailer])]
+                return
+            self._write_pieces([trailer])
+            self.frames_sent += 1
+        except Exception as exc:  # the link ends on a lane with this reason
+            reason = str(exc) if isinstance(exc, _Fenced) else f"send failed: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, _Fenced):
+                log.warning("shm connection %s: %s", self.conn_id, reason)
+            self._lost = self._lost or reason
+        finally:
+            with self._cond:
+                self._serving = None
+                self._scheduled = False
+                self._queue.extendleft(reversed(requeue))
+                if not self._ended.is_set() and (self._queue or self._closing or self._abort or self._lost):
+                    self._kick()
+
     # on the transport's sending lanes ---------------------------------------------------------------------
     def serve_step(self) -> None:
         """One step on a lane: the next job; with none, a look at the reader (fenced? its process gone?);
@@ -907,6 +986,8 @@ class ShmLink(FrameLink):
     def _step(self) -> None:
         if self._abort:
             raise _Fenced("link aborted")
+        if self._lost is not None:
+            raise _Fenced(self._lost)
         if self.faults is not None:
             self.faults.wait_if_paused()
             for frame in self.faults.due_late():
@@ -1039,7 +1120,7 @@ class ShmTransport(SenderTransport):
             connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
             return ShmLink(self.layout, ring, connect=connect, on_closed=request.on_closed, faults=request.faults,
                            checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None,
-                           lanes=self.lanes)
+                           lanes=self.lanes, inline_send=self.options.inline_send)
         except BaseException:
             if not ring.mm.closed:
                 ring.close()

@@ -843,6 +843,7 @@ class TcpLink(FrameLink):
         rest: bytes | None = None
         try:
             rest = self._send_batch_with_ordered(job, ordered, wait=False)
+            self.frames_sent += 2  # the WRITE frame and the ordered one, as a lane counts them
             self.sent_inline += 1
             if rest:
                 self.inline_rest += 1

@@ -54,7 +54,7 @@ class BenchConfig:
     transport_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig.transport_options
     total_bytes_small_pages: int | None = None
     compare_windows: bool = False  # verbs: kvxfer with memory windows on and off, as two cases
-    compare_inline: bool = False  # tcp: also kvxfer with inline_send off (every send from a sending thread)
+    compare_inline: bool = False  # tcp, shm: also kvxfer with inline_send off (every send from a sending thread)
     tp: str | None = None  # "P:1": also prefill TP P into decode TP 1, its own case (kvxfer.tools.bench.tp)
     # --first-request (kvxfer.tools.bench.first): first request to fresh decodes against steady state
     first_request: bool = False
@@ -171,7 +171,7 @@ class KvxferSession(Session):
                  windows: str | None = None, inline: bool = True) -> None:
         pages, self.per_request, self.requests, pool_pages = _geometry(config, page_bytes)
         # ``windows`` (verbs): force memory windows "on" or "off" for this case; "off" is its own case name;
-        # ``inline`` False (tcp): every send from a sending thread, the case "kvxfer-tcp-lanes"
+        # ``inline`` False (tcp, shm): every send from a sending thread, the case "kvxfer-<transport>-lanes"
         name = f"kvxfer-{config.transport}" + ("-windows-off" if windows == "off" else "") + ("" if inline else "-lanes")
         super().__init__(CaseResult(transport=name, page_bytes=page_bytes,
                                     bytes=pages * page_bytes, seconds=0.0, checks=checks))
@@ -183,8 +183,8 @@ class KvxferSession(Session):
             options["verbs"] = {**(verbs if isinstance(verbs, dict) else vars(verbs)), "windows": windows}
             self.result.extra["windows"] = windows
         if not inline:
-            tcp = options.get("tcp") or {}
-            options["tcp"] = {**(tcp if isinstance(tcp, dict) else vars(tcp)), "inline_send": False}
+            own = options.get(config.transport) or {}
+            options[config.transport] = {**(own if isinstance(own, dict) else vars(own)), "inline_send": False}
         engine = {
             "max_context": self.per_request,
             "transport": config.transport,

@@ -33,7 +33,7 @@ def sessions_for(config: BenchConfig, page_bytes: int, node_log: Any,
                               for w in ("on", "off") for c in checks]
     else:
         out = [KvxferSession(config, page_bytes, c, node_log) for c in checks]
-    if config.compare_inline and config.transport == "tcp":
+    if config.compare_inline and config.transport in ("tcp", "shm"):
         out += [KvxferSession(config, page_bytes, c, node_log, inline=False) for c in checks]
     if config.tp:
         from .tp import UnequalTpSession, parse_tp

@@ -50,7 +50,7 @@ def _config_for(config: BenchConfig, page_bytes: int, pages: int) -> BenchConfig
     return replace(config, request_bytes=request, total_bytes=config.small_requests_count * request,
                    total_bytes_small_pages=None, concurrency=1, checks="on", page_sizes=[page_bytes],
                    baselines=[b for b in config.baselines if b in PEERS], tp=None, compare_windows=False,
-                   compare_inline=config.transport == "tcp")
+                   compare_inline=config.transport in ("tcp", "shm"))
 
 
 def _ms(value: float | None) -> str:
@@ -166,7 +166,7 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
                   "on NIXL learns its KV landed, as wait() is kvxfer's). / NIXL DONE, / Mooncake: kvxfer send->READABLE "
                   "p50 over theirs; / NIXL notified: kvxfer send->wait() p50 over it (below 1: kvxfer is faster). CPU: "
                   "each engine process's user and system time over the counted rounds, every thread, per request "
-                  "(/proc, 10 ms ticks: read it over many requests). lanes (tcp): kvxfer with inline_send off, every "
+                  "(/proc, 10 ms ticks: read it over many requests). lanes (tcp, shm): kvxfer with inline_send off, every "
                   "send from a sending thread instead of the caller's (send->READABLE p50 / p99, then CPU us per "
                   "request, prefill / decode), in the same rounds.", markup=False, highlight=False,
                   soft_wrap=True)

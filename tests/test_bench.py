@@ -260,10 +260,31 @@ def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
         assert k["from"] == "admit-to-READABLE"
         # the consumer's wait() returns after READABLE was stamped, never before
         assert k["send_p50_s"] <= k["noticed_p50_s"] <= k["noticed_p99_s"]
+        # the same requests with every send from a sending thread (inline_send off), in the same rounds
+        lanes = r["kvxfer-tcp-lanes"]
+        assert lanes["requests"] == 200 and 0 < lanes["send_p50_s"] <= lanes["send_p99_s"], lanes
+        assert r["over_lanes_p50"] == round(k["send_p50_s"] / lanes["send_p50_s"], 3)
     assert "kvxfer send->wait()" in proc.stdout and "CPU: each engine process" in proc.stdout
+    assert "lanes (tcp, shm): kvxfer with inline_send off" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "page counts above 0" in bad.stderr
+
+
+def test_bench_busy_caller_holds_the_prefills_interpreter_after_each_send(tmp_path):
+    """--busy-caller 3: the prefill's loop computes in Python for 3 ms after each send(), which its
+    process's CPU per request shows (the work runs; the latencies beside it are the benchmark's)."""
+    out = tmp_path / "busy.json"
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--small-requests", "1", "--page-bytes", "4K",
+                           "--requests", "50", "--repeat", "1", "--baselines", "none", "--busy-caller", "3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["caller_busy_ms"] == 3
+    (row,) = report["small_requests"]
+    for case in ("kvxfer-tcp", "kvxfer-tcp-lanes"):
+        assert row[case]["prefill_cpu_us"] >= 2500, (case, row[case])  # 3 ms of Python per request, less ticks
+    assert "the prefill's caller busy 3 ms after each send()" in proc.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,

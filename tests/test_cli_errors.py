@@ -167,6 +167,8 @@ IN_PROCESS = [
     (["bench", "--first-request", "--decodes", "1"], "bench", "--decodes"),
     (["bench", "--first-request", "--steady", "0"], "bench", "--steady"),
     (["bench", "--small-requests", "--requests", "0"], "bench", "--requests"),
+    (["bench", "--busy-caller", "2", "--ttft"], "bench", "--busy-caller"),
+    (["bench", "--small-requests", "--busy-caller", "-1"], "bench", "--busy-caller"),
     (["bench", "--json", "/nonexistent/b.json"], "bench", "--json"),
     (["bench", "--request-bytes", "1G", "--total", "1G", "--concurrency", "64", "--json", OUT], "bench",
      "--request-bytes"),

@@ -1,4 +1,5 @@
-"""A small request leaves from the caller's thread (tcp ``inline_send``, kvxfer/transport/tcp.py).
+"""A small request's hand-offs: it leaves from the caller's thread (``inline_send``, tcp and shm), and
+the decode's RESULT leaves after its lock is released.
 
 A request whose writes fit one frame, posted with its DONE on an idle connection, is handed to the
 kernel by the thread that calls ``send()``: no sending thread is woken, and none has to wait for the
@@ -20,6 +21,7 @@ from kvxfer import DecodeEngine, PrefillEngine
 from kvxfer.core import native
 from kvxfer.core.lifecycle import ReceiverState
 from kvxfer.engine.config import EngineConfig
+from kvxfer.wire import messages as m
 from kvxfer.wire.auth import Keyring
 
 from .conftest import PAGE_TOKENS, close_checked, fill_random, make_layout
@@ -135,3 +137,32 @@ def test_a_ring_without_room_leaves_the_request_to_a_sending_thread(engines):
         d.release(rid)
         p.wait(rid, timeout=10)
     assert len(returned) == 2
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_result_leaves_after_the_decode_lets_go_of_its_lock(engines, size):
+    """The decode's RESULT for a verified request is encoded and queued only once the engine's lock is
+    released, so the consumer woken by READABLE takes the lock first; the request and its RESULT still
+    complete on both sides (a one-page request is verified on the data thread, a larger one on the
+    verifier)."""
+    pair = engines(fault_injection=False, prefill_pages=128, decode_pages=256)
+    p, d = pair.prefill, pair.decode
+    deliver, under_lock = d.receiver._deliver, []
+
+    def watched(peer, msg):
+        if isinstance(msg, m.Result):
+            under_lock.append(d.lock._is_owned())
+        deliver(peer, msg)
+
+    d.receiver._deliver = watched
+    tokens = PAGE_TOKENS if size == "small" else 120 * PAGE_TOKENS  # 360 KiB: past INLINE_VERIFY_BYTES
+    for i in range(5):
+        rid = f"{size}-{i}"
+        d.admit(rid, tokens, peer=pair.peer)
+        p.admit(rid, tokens)
+        p.wait_ready(rid, timeout=10)
+        p.send(rid)
+        assert d.wait(rid, timeout=10).state is ReceiverState.READABLE
+        assert p.wait(rid, timeout=10).state.value == "SUCCEEDED"  # its RESULT arrived
+        d.release(rid)
+    assert under_lock == [False] * 5

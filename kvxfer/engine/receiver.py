@@ -40,7 +40,8 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,7 +243,10 @@ class Receiver:
         self.drain_timeout = drain_timeout
         self.lock = lock or threading.RLock()
         self.guard = WriteGuard(self.layout, self.ledger, self.lock)
-        self._send = send or (lambda peer, msg: None)
+        self._deliver = send or (lambda peer, msg: None)
+        # messages to peers held while a verification holds the lock (RESULT): sent once it is released,
+        # so the consumer woken by READABLE does not wait for their encoding and queueing
+        self._outbox: list[tuple[str, m.Message]] | None = None
         self._request_fence = request_fence or (lambda conn, reason: None)
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
@@ -489,9 +493,35 @@ class Receiver:
         return req.error
 
     # messages from the ordered data path ------------------------------------------------------------
+    def _send(self, peer: str, msg: m.Message) -> None:
+        """A message to ``peer``: at once, or (inside :meth:`_sends_after_lock`) when the lock is released."""
+        if self._outbox is not None:
+            self._outbox.append((peer, msg))
+        else:
+            self._deliver(peer, msg)
+
+    @contextmanager
+    def _sends_after_lock(self) -> Iterator[None]:
+        """Hold the lock; the messages sent meanwhile go out, in order, once it is released (the
+        waiters :attr:`changed` woke get the lock first). Nested uses share the outermost's outbox."""
+        held: list[tuple[str, m.Message]] | None = None
+        try:
+            with self.lock:
+                outer = self._outbox is None
+                if outer:
+                    self._outbox = []
+                try:
+                    yield
+                finally:
+                    if outer:
+                        held, self._outbox = self._outbox, None
+        finally:
+            for peer, msg in held or ():
+                self._deliver(peer, msg)
+
     def on_ordered(self, conn: Any, msg: m.Message) -> None:
         """A DONE / DRAIN_ACK / REJECT / ABORT that arrived behind the writer's writes on ``conn``."""
-        with self.lock:
+        with self._sends_after_lock():
             req = self.by_gen.get(getattr(msg, "gen", 0))
             if req is None or req.rid != msg.rid:
                 self._complain(conn, msg, UnknownRequest(
@@ -575,7 +605,7 @@ class Receiver:
                     if actual is None:
                         actual = checksum_pages(self.layout, req.pages, self.checksum)
             actuals.append(actual)
-        with self.lock:
+        with self._sends_after_lock():
             self._conclude(req, actuals)
 
     def _conclude(self, req: ReceiveRequest, actuals: list[int | None]) -> None:

@@ -21,10 +21,11 @@ from kvxfer import DecodeEngine, PrefillEngine
 from kvxfer.core import native
 from kvxfer.core.lifecycle import ReceiverState
 from kvxfer.engine.config import EngineConfig
+from kvxfer.errors import TransferFailed
 from kvxfer.wire import messages as m
 from kvxfer.wire.auth import Keyring
 
-from .conftest import PAGE_TOKENS, close_checked, fill_random, make_layout
+from .conftest import PAGE_TOKENS, close_checked, fill_random, make_layout, wait_for
 
 pytestmark = pytest.mark.skipif(native.lib is None, reason="the tcp inline send needs the C data path (kvxfer._native)")
 
@@ -166,3 +167,30 @@ def test_result_leaves_after_the_decode_lets_go_of_its_lock(engines, size):
         assert p.wait(rid, timeout=10).state.value == "SUCCEEDED"  # its RESULT arrived
         d.release(rid)
     assert under_lock == [False] * 5
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_request_posted_on_a_fenced_connection_fails_and_frees_its_sources(engines, transport):
+    """The decode fences the connection just before the prefill, not told (it ignores FENCED), sends a
+    small request on it from its own thread: nothing lands, the request fails, and its writes are
+    reported failed so the prefill's source pages come back (a step from the caller's thread that fails
+    ends the link as a sending thread's would)."""
+    pair = engines(fault_injection=False, transport=transport)
+    p, d = pair.prefill, pair.decode
+    p.admit("f", PAGE_TOKENS)
+    d.admit("f", PAGE_TOKENS, peer=pair.peer)
+    p.wait_ready("f", timeout=10)
+    link = pair.link
+    conn = d.receiver.peers[pair.peer].conn
+    landed_before = d.stats()["writes"]["landed_bytes"]
+    p._on_fenced = lambda peer, msg: None  # the writer ignores the FENCED notice
+    assert d.fence(conn, "test fence")
+    try:
+        p.send("f")
+    except TransferFailed:
+        pass  # the link already saw its connection end
+    assert p.wait("f", timeout=15).state.value == "FAILED"  # settled: terminal and drained
+    wait_for(lambda: not link.alive, what="the link to end")
+    wait_for(lambda: p.pool.ledger.free_count == p.layout.num_pages, what="the prefill's source pages back")
+    assert d.stats()["writes"]["landed_bytes"] == landed_before
+    assert d.pool.ledger.free_count == d.layout.num_pages

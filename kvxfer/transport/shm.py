@@ -923,6 +923,13 @@ class ShmLink(FrameLink):
         ordered frame built after it) goes back first in the queue for a lane. A fenced reader or any
         failure ends the link on a lane, as a lane's own failure would."""
         requeue: list[Any] = []
+        reported = False
+
+        def on_complete(batch: WriteBatch, ok: int, failed: int) -> None:
+            nonlocal reported
+            reported = True
+            job.on_complete(batch, ok, failed)
+
         try:
             self._check_reader()
             frame = f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes
@@ -930,7 +937,8 @@ class ShmLink(FrameLink):
                 requeue = [job, ordered]
                 self.inline_deferred += 1
                 return
-            self._send_batch_frames(job, [cut], lambda batch, c, last: self._send_frame(batch, c, last=last))
+            self._send_batch_frames(WriteJob(job.batch, on_complete), [cut],
+                                    lambda batch, c, last: self._send_frame(batch, c, last=last))
             self.frames_sent += 1
             self.sent_inline += 1
             msg = ordered.msg() if callable(ordered.msg) else ordered.msg
@@ -941,6 +949,8 @@ class ShmLink(FrameLink):
             self._write_pieces([trailer])
             self.frames_sent += 1
         except Exception as exc:  # the link ends on a lane with this reason
+            if not reported:  # it failed before the batch went into the ring: its writes failed
+                job.on_complete(job.batch, 0, len(job.batch))
             reason = str(exc) if isinstance(exc, _Fenced) else f"send failed: {type(exc).__name__}: {exc}"
             if not isinstance(exc, _Fenced):
                 log.warning("shm connection %s: %s", self.conn_id, reason)

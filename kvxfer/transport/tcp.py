@@ -719,6 +719,18 @@ class _Wire:
     payload: tuple[bytes, bytes, bytes]
 
 
+class _Reported:
+    """A write job's completion callback that remembers it was called (once is the rule)."""
+
+    def __init__(self, job: WriteJob) -> None:
+        self.job = job
+        self.reported = False
+
+    def __call__(self, batch: WriteBatch, ok: int, failed: int) -> None:
+        self.reported = True
+        self.job.on_complete(batch, ok, failed)
+
+
 def _unsent(wire: _Wire, sent: int) -> bytes:
     """The bytes of ``wire`` (its prefix, then each run: the pages and the ordered frame) after the
     first ``sent``, copied out of the sources."""
@@ -841,13 +853,16 @@ class TcpLink(FrameLink):
         what it does not take at once (its buffer is full) is copied and left to a lane, first in the
         queue. A failing socket ends the link on a lane, as a lane's own failure would."""
         rest: bytes | None = None
+        watched = _Reported(job)
         try:
-            rest = self._send_batch_with_ordered(job, ordered, wait=False)
+            rest = self._send_batch_with_ordered(WriteJob(job.batch, watched), ordered, wait=False)
             self.frames_sent += 2  # the WRITE frame and the ordered one, as a lane counts them
             self.sent_inline += 1
             if rest:
                 self.inline_rest += 1
         except Exception as exc:  # the link ends on a lane with this reason, as a lane's own failure would
+            if not watched.reported:  # it failed before the batch was handed on: its writes failed
+                job.on_complete(job.batch, 0, len(job.batch))
             reason = (f"connection lost: {exc}" if isinstance(exc, OSError)
                       else f"sending failed: {type(exc).__name__}: {exc}")
             if not isinstance(exc, OSError):

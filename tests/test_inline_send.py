@@ -194,3 +194,25 @@ def test_a_request_posted_on_a_fenced_connection_fails_and_frees_its_sources(eng
     wait_for(lambda: p.pool.ledger.free_count == p.layout.num_pages, what="the prefill's source pages back")
     assert d.stats()["writes"]["landed_bytes"] == landed_before
     assert d.pool.ledger.free_count == d.layout.num_pages
+
+
+def test_a_fault_injector_with_nothing_to_do_leaves_the_callers_thread_path_open(engines):
+    """The suites' engines carry a fault injector; while it has nothing to do a small request still leaves
+    from the caller's thread, and one scripted fault (a captured write) sends that request from a
+    sending thread, through the injector, which captures it; both requests verify."""
+    pair = engines()  # a FaultInjector with no rate set
+    p, d = pair.prefill, pair.decode
+    link = pair.link
+    for i, capture in enumerate((False, True)):
+        rid = f"fi-{i}"
+        d.admit(rid, PAGE_TOKENS, peer=pair.peer)
+        p.admit(rid, PAGE_TOKENS)
+        p.wait_ready(rid, timeout=10)
+        if capture:
+            pair.faults.capture_next_write()
+        p.send(rid)
+        assert d.wait(rid, timeout=10).state is ReceiverState.READABLE
+        d.release(rid)
+        p.wait(rid, timeout=10)
+        assert link.sent_inline == 1, (rid, link.sent_inline)
+    assert len(pair.faults.take_captured()) == 1

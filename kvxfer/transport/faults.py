@@ -131,6 +131,14 @@ class FaultInjector:
             out, self._captured = self._captured, []
             return out
 
+    def idle(self) -> bool:
+        """Nothing would act on the next frame: no fault rate set, no scripted fault pending, not paused
+        and no late frame held (a link may then send as if it had no injector: the caller's thread)."""
+        c = self.config
+        with self._lock:
+            return (self._resume.is_set() and not self._late and not self._capture_next and not self._flip_next
+                    and not (c.flip_rate or c.duplicate_rate or c.late_rate or c.slow_rate))
+
     # per-frame decisions -------------------------------------------------------------------------------
     def _roll(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate

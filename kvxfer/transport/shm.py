@@ -899,7 +899,7 @@ class ShmLink(FrameLink):
         scheduled), when they are a batch of one frame on the C path and the ordered message behind it,
         on an idle link whose sources need no wait; else None."""
         if (not self.inline_send or self._scheduled or self._closing or self._abort or self._ended.is_set()
-                or self.faults is not None or _native() is None or len(self._queue) != 2):
+                or (self.faults is not None and not self.faults.idle()) or _native() is None or len(self._queue) != 2):
             return None
         job, behind = self._queue
         if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled

@@ -24,7 +24,8 @@ step at a time, and its watcher ends a link whose receiver closed its end as soo
 A small request (one frame with the DONE behind it) posted on an idle link is the exception
 (``inline_send``, :meth:`TcpLink.unhold`): the posting thread claims the link as a lane would and hands
 the kernel what it takes without waiting (``send_runs_nowait``); a sending lane sends the rest, a copy,
-before anything posted after it.
+before anything posted after it. A fault injector with nothing to do (:meth:`FaultInjector.idle`, the
+test suites' engines) leaves that path open; one that would act on the frame sends from a lane.
 
 Frames carry at most :func:`frame_limit` payload bytes (the size of a staging buffer: 32 MiB, or one
 item when an item is larger; both ends compute it from their compatible layouts), whatever the
@@ -842,7 +843,8 @@ class TcpLink(FrameLink):
             return None
         job, behind = self._queue
         if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled
-                or job.batch.ready is not None or not self._sends_whole(job.batch)):
+                or job.batch.ready is not None or not self._fits_one_send(job.batch)
+                or (self.faults is not None and not self.faults.idle())):
             return None
         self._scheduled = True
         self._serving = threading.current_thread()
@@ -959,9 +961,13 @@ class TcpLink(FrameLink):
         return not job.batch.cancelled and self._sends_whole(job.batch)
 
     def _sends_whole(self, batch: WriteBatch) -> bool:
-        """A small batch on the production path (native, no fault injection, no staging): one frame,
-        few runs, whole pages."""
-        return (self.faults is None and native.lib is not None and self._staging is None and batch.units is None
+        """A small batch on the production path (no fault injection): :meth:`_fits_one_send`."""
+        return self.faults is None and self._fits_one_send(batch)
+
+    def _fits_one_send(self, batch: WriteBatch) -> bool:
+        """A small batch the C path sends with the ordered message behind it (native, no staging): one
+        frame, few runs, whole pages."""
+        return (native.lib is not None and self._staging is None and batch.units is None
                 and len(batch) <= WITH_ORDERED_MAX_RUNS and batch.nbytes <= min(WITH_ORDERED_MAX_BYTES, self.frame_limit))
 
     def prepare(self, batch: WriteBatch) -> None:

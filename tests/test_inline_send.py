@@ -37,6 +37,27 @@ def landed(pair_prefill: PrefillEngine, decode: DecodeEngine, rid: str) -> bool:
     return all(np.array_equal(s[src], d[dst]) for s, d in zip(pair_prefill.layout.views(), decode.layout.views()))
 
 
+def send_without_waiting(p: PrefillEngine, rids: list[str], what: str) -> None:
+    """Send each request from a thread of its own; each send() must return, without raising, within 5 s."""
+    returned = []
+    for rid in rids:
+        sender = threading.Thread(target=lambda rid=rid: returned.append(p.send(rid)), daemon=True)
+        sender.start()
+        sender.join(5)
+        assert not sender.is_alive(), f"send({rid!r}) waited for {what}"
+    assert len(returned) == len(rids), f"a send() raised: {len(returned)} of {len(rids)} returned"
+
+
+def all_readable(p: PrefillEngine, d: DecodeEngine, rids: list[str]) -> None:
+    """Each request READABLE with the prefill's bytes, released, and settled on the prefill."""
+    for rid in rids:
+        req = d.wait(rid, timeout=20)
+        assert req.state is ReceiverState.READABLE, (rid, req.state, req.error)
+        assert landed(p, d, rid), rid
+        d.release(rid)
+        p.wait(rid, timeout=10)
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "lanes"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_small_request_has_left_when_send_returns(engines, transport, inline):
@@ -90,21 +111,10 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
             p.wait_ready(rid, timeout=10)
         link = p.peers[d.engine_id].link
         link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        returned = []
         with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
-            for rid in rids:
-                sender = threading.Thread(target=lambda rid=rid: returned.append(p.send(rid)), daemon=True)
-                sender.start()
-                sender.join(5)
-                assert not sender.is_alive(), "send() waited for a socket the receiver does not read"
+            send_without_waiting(p, rids, "a socket the receiver does not read")
             assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
-        for rid in rids:
-            req = d.wait(rid, timeout=20)
-            assert req.state is ReceiverState.READABLE, (rid, req.state, req.error)
-            assert landed(p, d, rid), rid
-            d.release(rid)
-            p.wait(rid, timeout=10)
-        assert len(returned) == 2
+        all_readable(p, d, rids)
     finally:
         close_checked(made)
 
@@ -123,21 +133,10 @@ def test_a_ring_without_room_leaves_the_request_to_a_sending_thread(engines):
         p.admit(rid, 16 * PAGE_TOKENS)
         fill_random(p.layout, p.sender.source_pages(rid), seed=200 + i)
         p.wait_ready(rid, timeout=10)
-    returned = []
     with d.lock:
-        for rid in rids:
-            sender = threading.Thread(target=lambda rid=rid: returned.append(p.send(rid)), daemon=True)
-            sender.start()
-            sender.join(5)
-            assert not sender.is_alive(), "send() waited for room in a ring the receiver does not read"
+        send_without_waiting(p, rids, "room in a ring the receiver does not read")
         assert (link.sent_inline, link.inline_deferred) == (1, 1)
-    for rid in rids:
-        req = d.wait(rid, timeout=20)
-        assert req.state is ReceiverState.READABLE, (rid, req.state, req.error)
-        assert landed(p, d, rid), rid
-        d.release(rid)
-        p.wait(rid, timeout=10)
-    assert len(returned) == 2
+    all_readable(p, d, rids)
 
 
 @pytest.mark.parametrize("size", ["small", "large"])

@@ -116,10 +116,25 @@ class FrameLink(SenderLink, LaneLink):
             self._holding += 1
 
     def unhold(self) -> None:
+        """The last unhold of a post schedules a step, unless the transport claims the posted jobs for
+        the posting thread (:meth:`_claim_inline`: a small request on an idle link), which then sends
+        them itself (:meth:`_send_inline`)."""
         with self._cond:
             self._holding -= 1
-            if not self._holding and self._queue:
+            if self._holding or not self._queue:
+                return
+            claimed = self._claim_inline()
+            if claimed is None:
                 self._kick()
+                return
+        self._send_inline(*claimed)
+
+    def _claim_inline(self) -> tuple[Any, ...] | None:
+        """Under ``_cond``: the jobs the posting thread sends itself (the link marked scheduled), or None."""
+        return None
+
+    def _send_inline(self, *claimed: Any) -> None:  # pragma: no cover - only with a claim
+        raise NotImplementedError
 
     def _begin_close(self, flush: bool) -> None:
         """Stop taking jobs; without ``flush`` the queued write batches are dropped unsent."""

@@ -881,19 +881,6 @@ class ShmLink(FrameLink):
             self._publish(at - self._producer)
 
     # from the posting thread -------------------------------------------------------------------------------
-    def unhold(self) -> None:
-        """The last :meth:`unhold` of a post: a small request's writes and DONE, alone on an idle link,
-        go into the ring from this thread when it has room (:meth:`_send_inline`); else a lane's step."""
-        with self._cond:
-            self._holding -= 1
-            if self._holding or not self._queue:
-                return
-            claimed = self._claim_inline()
-            if claimed is None:
-                self._kick()
-                return
-        self._send_inline(*claimed)
-
     def _claim_inline(self) -> tuple[WriteJob, OrderedJob, FrameCut] | None:
         """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
         scheduled), when they are a batch of one frame on the C path and the ordered message behind it,

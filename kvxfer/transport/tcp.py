@@ -821,19 +821,6 @@ class TcpLink(FrameLink):
             self._lost = reason
             self._kick()
 
-    def unhold(self) -> None:
-        """The last :meth:`unhold` of a post: a small request's writes and DONE, alone on an idle link,
-        leave from this thread at once (:meth:`_send_inline`); anything else is scheduled on a lane."""
-        with self._cond:
-            self._holding -= 1
-            if self._holding or not self._queue:
-                return
-            claimed = self._claim_inline()
-            if claimed is None:
-                self._kick()
-                return
-        self._send_inline(*claimed)
-
     def _claim_inline(self) -> tuple[WriteJob, OrderedJob] | None:
         """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
         scheduled, so no lane serves it meanwhile), when they are one whole small batch and the ordered

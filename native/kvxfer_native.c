@@ -39,6 +39,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvxfer_guard.h"
+
 #define IOV_BATCH 512
 #ifndef SEND_GROUP
 /* send_runs hands the kernel this much per sendmsg call. Measured on another host (loopback, 64 KiB
@@ -153,6 +155,20 @@ static checksum_fn pick_checksum(int algo) {
         return NULL;
     }
     return checksums[algo];
+}
+
+int native_combine_prepare(int algo, uint64_t len, uint32_t *op) {
+    if (pick_checksum(algo) == NULL) return -1;
+    if (len > (uint64_t)INT64_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a piece length does not fit 63 bits");
+        return -1;
+    }
+    *op = algo == 0 ? 0 : crc_combine_gen((int64_t)len);
+    return 0;
+}
+
+uint32_t native_combine_step(int algo, uint32_t acc, uint32_t value, uint64_t len, uint32_t op) {
+    return algo == 0 ? adler_combine(acc, value, (int64_t)len) : crc_combine_op(acc, value, op);
 }
 
 /* Checksum one run as whole items (or as one piece when item == 0). Lengths are split at 1 GiB to
@@ -1086,6 +1102,15 @@ static PyMethodDef methods[] = {
      "send_runs_nowait(fd, prefix, addresses, lengths) -> int: gather-send without waiting; bytes sent"},
     {"send_runs_summed", send_runs_summed, METH_VARARGS,
      "send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
+    {"guard_accept", guard_accept, METH_VARARGS,
+     "guard_accept(runs, item_lens, num_pages, state, stamps, owner_gen, writable_mask) -> int64 page counts or None"},
+    {"guard_record", guard_record, METH_VARARGS,
+     "guard_record(runs, item_lens, num_pages, covered, summed, item_sum, sums, state, stamps, gen, reserved, "
+     "written) -> (duplicate_items, bytes)"},
+    {"guard_landed", guard_landed, METH_VARARGS,
+     "guard_landed(pages, item_lens, num_pages, covered, summed, item_sum, algo, initial) -> (uncovered, checksum)"},
+    {"ledger_move", ledger_move, METH_VARARGS,
+     "ledger_move(pages, state, stamps, gen, allowed_mask, new_state) -> bool: check and move owned pages"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import ConfigError, LedgerInvariantError, PageStateError, PoolExhausted
+from . import native as _native
 from .pagesets import all_set
 
 
@@ -209,6 +210,21 @@ def _state_table(states: Iterable[PageState]) -> np.ndarray:
     return table
 
 
+_STATE_MASKS: dict[tuple[PageState, ...], int] = {}
+# PageLedger.move's ownership check and state change in C (native/kvxfer_guard.c), where it is built
+_C_MOVE = _native.lib.ledger_move if _native.provides("ledger_move") else None
+
+
+def _state_mask(states: tuple[PageState, ...]) -> int:
+    """Which page states are among ``states``, as a bit per state value (the C rules' form)."""
+    mask = _STATE_MASKS.get(states)
+    if mask is None:
+        mask = sum(1 << int(s) for s in set(states))
+        if len(_STATE_MASKS) < 64:
+            _STATE_MASKS[states] = mask
+    return mask
+
+
 def _as_pages(pages: Iterable[int] | np.ndarray) -> np.ndarray:
     if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1:
         return pages  # the common case, as the data path passes them
@@ -341,10 +357,26 @@ class PageLedger:
         if new_state is PageState.FREE:
             raise PageStateError("use release() to free pages", generation=generation)
         allowed = tuple(allowed)
+        if self._moved_in_c(pages, generation, allowed, int(new_state)):
+            return
         ok = self.owned_by(pages, generation, allowed)
         if not all_set(ok):
             self._raise_not_owned(pages[~ok], generation, allowed, f"move to {new_state.name}")
         self.state[pages] = np.uint8(new_state)
+
+    def holds(self, pages: np.ndarray, generation: int, states: Iterable[PageState]) -> bool:
+        """Whether every one of ``pages`` is in one of ``states`` and stamped ``generation``
+        (:meth:`owned_by`, all of them)."""
+        pages = _as_pages(pages)
+        states = tuple(states)
+        return self._moved_in_c(pages, generation, states, -1) or all_set(self.owned_by(pages, generation, states))
+
+    def _moved_in_c(self, pages: np.ndarray, generation: int, allowed: tuple[PageState, ...], new_state: int) -> bool:
+        """True when C found every page owned and moved them to ``new_state`` (-1: checked only); False
+        when C is not built or a page is not owned, changing nothing (the Python rules then decide)."""
+        if _C_MOVE is None or not pages.flags.c_contiguous or not 0 < generation < 1 << 64:
+            return False
+        return _C_MOVE(pages, self.state, self.generation, generation, _state_mask(allowed), new_state)
 
     def mark_written(self, pages: np.ndarray, generation: int) -> int:
         """RESERVED pages of ``generation`` among ``pages`` become WRITTEN; others stay as they are.

@@ -18,6 +18,12 @@ rules:
   A request's writers have windows of their own generations over pages the ledger holds for the
   request's generation (``Window.owner_gen``).
 
+Where the C extension is built, the checks and records of writes of whole pages, and the completion's
+coverage and landed checksum, run its twins of these rules (``native/kvxfer_guard.c``) on the same
+arrays, under the same lock; the C check only ever accepts, and anything it does not accept is decided
+(and named) by the Python rules here, which stay the reference (``tests/test_guard_native.py`` holds
+the two equal). ``native=False`` keeps a guard on the Python rules alone.
+
 Invariants: windows open only over pages the ledger holds for their generation; coverage of a page
 is reset when a window opens over it; all state here and all ledger changes of the receiver happen
 under the engine's lock (``lock``), so a page cannot change owner between check and record.
@@ -34,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import WriteRefused
-from .checksum import combine
+from . import native as _native
+from .checksum import combine, native_id
 from .layout import KVLayout
-from .ledger import WRITABLE_STATES, PageLedger
+from .ledger import WRITABLE_STATES, PageLedger, PageState
 from .pagesets import all_set, any_set, total
 from .runs import RUN_DTYPE
 from .slicing import SliceTable, expand_runs
@@ -83,7 +90,8 @@ class WriteGuard:
 
     Every check and record runs under ``lock``, the engine's lock (see the module's invariants)."""
 
-    def __init__(self, layout: KVLayout, ledger: PageLedger, lock: threading.RLock | None = None) -> None:
+    def __init__(self, layout: KVLayout, ledger: PageLedger, lock: threading.RLock | None = None, *,
+                 native: bool = True) -> None:
         self.layout = layout
         self.ledger = ledger
         self.lock = lock or threading.RLock()
@@ -106,12 +114,16 @@ class WriteGuard:
         self.landed_writes = 0
         # called (under the lock) with (reason, conn, refusal or None) for every refused write
         self.on_refused: Any = None
+        # the C twins of the whole-page rules (native/kvxfer_guard.c), where the extension has them
+        self._c = _native.lib if native and _native.provides("guard_accept", "guard_record", "guard_landed") else None
+        self._item_lens_c = np.ascontiguousarray(layout.item_lens, dtype=np.int64).tobytes()
+        self._writable_mask = sum(1 << int(s) for s in WRITABLE_STATES)
 
     # windows ----------------------------------------------------------------------------------
     def open(self, window: Window) -> None:
         with self.lock:
-            ok = self.ledger.owned_by(window.pages, window.owner_gen, WRITABLE_STATES)
-            if not ok.all():
+            if not self.ledger.holds(window.pages, window.owner_gen, WRITABLE_STATES):
+                ok = self.ledger.owned_by(window.pages, window.owner_gen, WRITABLE_STATES)
                 raise WriteRefused(
                     "cannot open a write window over pages the request does not hold",
                     reason="not_reserved",
@@ -220,10 +232,21 @@ class WriteGuard:
                 generation=gen,
             )
         if window.table is None:
-            counts = self._accept_few(window, runs)
+            counts = self._accept_c(window, runs) if self._c is not None else self._accept_few(window, runs)
             if counts is not None:
                 return window, counts
         return window, self._check_runs(window, runs)
+
+    def _accept_c(self, window: Window, runs: np.ndarray) -> np.ndarray | None:
+        """:meth:`_accept_few`'s C twin for writes of any size (``guard_accept``): the per-run page counts
+        of a write of whole pages in range over pages the window's owner holds writable, or None (the
+        vectorised rules then decide and name the reason)."""
+        if runs.dtype != RUN_DTYPE or not runs.flags.c_contiguous or not len(runs):
+            return None
+        ledger = self.ledger
+        raw = self._c.guard_accept(runs, self._item_lens_c, self.layout.num_pages, ledger.state, ledger.generation,
+                                   window.owner_gen, self._writable_mask)
+        return None if raw is None else np.frombuffer(raw, dtype=np.int64)
 
     def _few_spans(self, runs: np.ndarray) -> list[tuple[int, int, int]] | None:
         """A short run table as ``(buffer, first page, page count)`` per run, in Python integers, when
@@ -333,8 +356,26 @@ class WriteGuard:
         with self.lock:
             if window.table is not None:
                 self._record_slice(window, runs, counts)
+            elif self._c is not None and runs.dtype == RUN_DTYPE and runs.flags.c_contiguous and len(runs):
+                self._record_c(window, runs, sums)
             elif not self._record_few(window, runs, sums):
                 self._record_runs(window, runs, counts, sums)
+
+    def _record_c(self, window: Window, runs: np.ndarray, sums: np.ndarray | None) -> None:
+        """:meth:`_record_runs` in C (``guard_record``): coverage, the landed item checksums, and the pages
+        covered in every buffer moved to WRITTEN, on the same arrays."""
+        if sums is not None:
+            sums = np.ascontiguousarray(sums, dtype=np.uint32)
+        ledger = self.ledger
+        duplicates, nbytes = self._c.guard_record(
+            runs, self._item_lens_c, self.layout.num_pages, self._covered_flat, self._summed_flat,
+            self._item_sum_flat, sums, ledger.state, ledger.generation, window.gen, int(PageState.RESERVED),
+            int(PageState.WRITTEN))
+        window.duplicate_items += duplicates
+        window.bytes_landed += nbytes
+        window.writes_landed += len(runs)
+        self.landed_bytes += nbytes
+        self.landed_writes += len(runs)
 
     def _record_few(self, window: Window, runs: np.ndarray, sums: np.ndarray | None) -> bool:
         """:meth:`_record_runs` for a write of a few whole pages (:meth:`_few_spans`), page by page with
@@ -427,6 +468,11 @@ class WriteGuard:
         """The request checksum combined from item checksums taken as the bytes landed, or None if
         some item has none (the caller then reads the pages)."""
         with self.lock:
+            algo_id = native_id(algo) if self._c is not None else None
+            if algo_id is not None:
+                pages = np.ascontiguousarray(pages, dtype=np.int64)
+                return self._c.guard_landed(pages, self._item_lens_c, self.layout.num_pages, self._covered_flat,
+                                            self._summed_flat, self._item_sum_flat, algo_id, algo.initial)[1]
             if not all_set(self.summed[:, pages]):
                 return None
             values = self.item_sum[:, pages].reshape(-1)
@@ -436,6 +482,11 @@ class WriteGuard:
     def uncovered(self, pages: np.ndarray) -> np.ndarray:
         """Pages (of ``pages``) not covered in every buffer."""
         with self.lock:
+            if self._c is not None:  # counted in C first: a verified request has none
+                flat = np.ascontiguousarray(pages, dtype=np.int64)
+                if not self._c.guard_landed(flat, self._item_lens_c, self.layout.num_pages, self._covered_flat,
+                                            self._summed_flat, self._item_sum_flat, -1, 0)[0]:
+                    return pages[:0]
             return pages[~self.covered[:, pages].all(axis=0)]
 
     def counters(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
  *
  * recv_runs(fd, addresses, lengths): fill every (address, length) run from a blocking socket with
  *     readv(2), in order, until all bytes arrived. Raises ConnectionError on EOF, OSError on error.
+ * recv_frame_head(fd, ...): one data frame's header, and a WRITE frame's run table, read and checked
+ *     as kvxfer/wire/frames.py checks them (see the function).
  * send_runs(fd, prefix, addresses, lengths): send `prefix` then every run with sendmsg(2)
  *     (MSG_NOSIGNAL), handling partial sends.
  * copy_runs(dst_addresses, src_addresses, lengths): memcpy every run (the shm transport's gather
@@ -254,6 +256,83 @@ static PyObject *recv_runs(PyObject *self, PyObject *args) {
     PyBuffer_Release(&lens);
     if (rc) return raise_recv(rc);
     Py_RETURN_NONE;
+}
+
+/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset)
+ *     -> (status, kind, slot, generation, count, body_len, payload_len, header, runs)
+ * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
+ * kvxfer/wire/frames.py's parse_header does; for a WRITE frame also read its run table and check it as
+ * parse_runs does (no flags, no empty run, none longer than max_payload, offsets below max_offset, the
+ * lengths adding up to payload_len). status 0: a WRITE frame, `runs` its table (bytes); 1: a valid
+ * header of another kind (its body is left in the socket; runs None); -1: the header breaks a rule;
+ * -2: the run table does. On -1 and -2 the caller runs the Python parser on `header` (and `runs`),
+ * which names the rule. The twin of parse_header + parse_runs: tests/test_guard_native.py holds them
+ * equal on random and hostile frames. */
+static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
+    int fd;
+    unsigned int version, max_runs;
+    unsigned long long max_payload, max_message, max_offset;
+    if (!PyArg_ParseTuple(args, "iIIKKK", &fd, &version, &max_runs, &max_payload, &max_message, &max_offset))
+        return NULL;
+    uint8_t h[32];
+    uint64_t a = (uint64_t)(uintptr_t)h, l = sizeof(h);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = recv_range(fd, &a, &l, 0, 1, 0);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_recv(rc);
+    uint8_t kind = h[3];
+    uint32_t slot, count, body_len;
+    uint64_t gen, payload_len;
+    memcpy(&slot, h + 4, 4);
+    memcpy(&gen, h + 8, 8);
+    memcpy(&count, h + 16, 4);
+    memcpy(&body_len, h + 20, 4);
+    memcpy(&payload_len, h + 24, 8);
+    int status = 1;
+    if (h[0] != 'K' || h[1] != 'X' || h[2] != version || kind < 1 || kind > 3) status = -1;
+    else if (kind == 2) {
+        if (count < 1 || count > max_runs || (uint64_t)body_len != (uint64_t)count * 24 || payload_len < 1 ||
+            payload_len > max_payload)
+            status = -1;
+        else
+            status = 0;
+    } else if (count != 0 || payload_len != 0 || body_len < 1 || body_len > max_message) {
+        status = -1;
+    }
+    PyObject *runs = NULL;
+    if (status == 0) {
+        runs = PyBytes_FromStringAndSize(NULL, body_len);
+        if (runs == NULL) return NULL;
+        uint8_t *body = (uint8_t *)PyBytes_AS_STRING(runs);
+        uint64_t ba = (uint64_t)(uintptr_t)body, bl = body_len;
+        Py_BEGIN_ALLOW_THREADS
+        rc = recv_range(fd, &ba, &bl, 0, 1, 0);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            Py_DECREF(runs);
+            return raise_recv(rc);
+        }
+        uint64_t added = 0;
+        for (uint32_t i = 0; i < count; i++) {
+            uint32_t flags;
+            uint64_t offset, length;
+            memcpy(&flags, body + 24 * i + 4, 4);
+            memcpy(&offset, body + 24 * i + 8, 8);
+            memcpy(&length, body + 24 * i + 16, 8);
+            if (flags != 0 || length == 0 || length > max_payload || offset >= max_offset) {
+                status = -2;
+                break;
+            }
+            added += length;
+        }
+        if (status == 0 && added != payload_len) status = -2;
+    } else {
+        runs = Py_None;
+        Py_INCREF(runs);
+    }
+    return Py_BuildValue("(iiIKIIKy#N)", status, (int)kind, slot, (unsigned long long)gen, count, body_len,
+                         (unsigned long long)payload_len, (const char *)h, (Py_ssize_t)sizeof(h), runs);
 }
 
 /* Item checksums (each from `init`) of runs [first, end) into sums[*slot...]. GIL not needed. */
@@ -1095,6 +1174,9 @@ static PyMethodDef methods[] = {
      "combine_items(algo, initial, values, lengths) -> int: the checksum of concatenated pieces"},
     {"load_zlib_ng", load_zlib_ng, METH_VARARGS, "load_zlib_ng(path) -> bool: use zlib-ng's C checksums"},
     {"recv_runs", recv_runs, METH_VARARGS, "recv_runs(fd, addresses, lengths): fill runs from a socket"},
+    {"recv_frame_head", recv_frame_head, METH_VARARGS,
+     "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset) -> (status, kind, slot, "
+     "generation, count, body_len, payload_len, header, runs)"},
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
      "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},

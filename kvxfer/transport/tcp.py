@@ -164,6 +164,26 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+_C_FRAME_HEAD = native.lib.recv_frame_head if native.provides("recv_frame_head") else None
+_FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
+_KINDS = {int(kind): kind for kind in f.FrameKind}
+
+
+def recv_frame_head(sock: socket.socket) -> tuple[f.FrameHeader, np.ndarray | None]:
+    """One frame's header from ``sock`` and, for a WRITE frame, its run table, read and checked in C
+    (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`
+    and :func:`~kvxfer.wire.frames.parse_runs`); other frames' bodies stay in the socket. A frame C refuses
+    is parsed by the Python rules, which raise the ProtocolError naming the rule."""
+    status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(sock.fileno(), *_FRAME_LIMITS)
+    if status < 0:
+        header = f.parse_header(raw)
+        if status == -2:
+            f.parse_runs(header, body)
+        raise ProtocolError(f"frame refused by the native parser but not by the Python rules: {raw.hex()}")
+    header = f.FrameHeader(_KINDS[kind], slot, gen, count, body_len, payload_len)
+    return header, (np.frombuffer(body, dtype=f.RUN_DTYPE) if status == 0 else None)
+
+
 def send_all(sock: socket.socket, pieces: list[Any]) -> None:
     """Gather-send every piece (bytes / memoryviews), handling partial sends."""
     views = [memoryview(p).cast("B") for p in pieces]
@@ -533,12 +553,17 @@ class TcpReceiver(ReceiverBackend):
         try:
             if self._stages:
                 staging = Staging(copy_engine(self.layout, self._staging_mode), self.frame_limit)
+            in_c = _C_FRAME_HEAD is not None and staging is None
             while True:
-                recv_exact(sock, header_view)
+                runs = None
+                if in_c:  # the header and a WRITE frame's run table, read and checked in one C call
+                    header, runs = recv_frame_head(sock)
+                else:
+                    recv_exact(sock, header_view)
+                    header = f.parse_header(header_buf)
                 t0 = time.perf_counter()
-                header = f.parse_header(header_buf)
                 if header.kind is f.FrameKind.WRITE:
-                    self._land_write(sock, inbound, header, staging)
+                    self._land_write(sock, inbound, header, staging, runs)
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED:
@@ -575,15 +600,17 @@ class TcpReceiver(ReceiverBackend):
             self._finish(inbound, reason)
 
     def _land_write(self, sock: socket.socket, inbound: _Inbound, header: f.FrameHeader,
-                    staging: Staging | None = None) -> None:
+                    staging: Staging | None = None, runs: np.ndarray | None = None) -> None:
+        """Land a WRITE frame whose header was read (and its run table, when ``runs`` is given)."""
         conn_id = inbound.conn_id
         if staging is not None and header.payload_len > staging.capacity:
             # refused before reading anything more: landing it would overrun the staging buffer
             raise ProtocolError(f"WRITE frame of {header.payload_len} bytes exceeds the staging buffer "
                                 f"({staging.capacity} bytes): a writer cuts frames to that size")
-        body = bytearray(header.body_len)  # at most MAX_RUNS runs: parse_header checked it
-        recv_exact(sock, memoryview(body))
-        runs = f.parse_runs(header, body)
+        if runs is None:
+            body = bytearray(header.body_len)  # at most MAX_RUNS runs: parse_header checked it
+            recv_exact(sock, memoryview(body))
+            runs = f.parse_runs(header, body)
         try:
             window, counts = self.guard.check(conn_id, header.slot, header.generation, runs)
         except WriteRefused:

@@ -7,7 +7,8 @@ hypothesis tests and the corpus replay test:
   (:func:`kvxfer.wire.messages.decode`), plus DONE's verbs write log when present;
 * :func:`frame_stream`: a data-plane byte stream as the tcp receiver consumes it: frame headers,
   WRITE run tables checked by a real :class:`~kvxfer.core.writeguard.WriteGuard` against a real ledger
-  with a write window open, ORDERED and CONNECT message bodies.
+  with a write window open (its C check where built, then held to the Python rules), ORDERED and
+  CONNECT message bodies.
 
 The contract under test: malformed input raises :class:`~kvxfer.errors.ProtocolError`, a write the
 guard refuses raises :class:`~kvxfer.errors.WriteRefused`, and nothing else escapes. A target
@@ -90,6 +91,13 @@ def _check_runs_with_guard(runs: np.ndarray, *, conn: str, slot: int, gen: int) 
         raise AssertionError("accepted a write outside the layout")
     if not np.isin(first, window.pages).all():
         raise AssertionError("accepted a write outside the window")
+    if guard._c is not None:  # the C check accepted it: the Python rules, the reference, must agree
+        try:
+            reference = guard._check_runs(window, runs)
+        except WriteRefused as exc:
+            raise AssertionError(f"the C write guard accepted a write its Python rules refuse: {exc}") from None
+        if reference.tolist() != np.asarray(counts).tolist():
+            raise AssertionError(f"C and Python page counts differ: {counts} against {reference}")
 
 
 def _fuzz_guard():  # one small real guard with one window open, built once per process

@@ -1,0 +1,122 @@
+"""The tcp receiver's frame head in C (``recv_frame_head``, native/kvxfer_native.c) held to the Python
+parsers it stands in for (kvxfer/wire/frames.py: parse_header and parse_runs).
+
+Random frames, most of them broken on purpose (magic, version, kind, run count, body and payload lengths,
+run flags, empty, oversized and far-off runs, lengths that do not add up), are written into a real
+socket pair; what the receiver's reader returns must be exactly what the Python parsers make of the same
+bytes: the same header and run table, or the same ProtocolError.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from kvxfer.core import native
+from kvxfer.errors import ProtocolError
+from kvxfer.transport import tcp
+from kvxfer.wire import frames as f
+from kvxfer.wire.messages import MAX_MESSAGE_BYTES
+
+pytestmark = pytest.mark.skipif(
+    not native.provides("recv_frame_head"),
+    reason=f"needs the C extension kvxfer._native with recv_frame_head ({native.describe()})",
+)
+
+
+def _random_frame(rng: np.random.Generator) -> bytes:
+    """A frame header and, for a WRITE, a body of the header's length: valid about half the time."""
+    kind = int(rng.choice([2, 2, 2, 3, 1, 0, 4, 255]))
+    count = int(rng.integers(1, 6))
+    lengths = rng.integers(1, 1 << 16, count).astype(np.uint64)
+    offsets = rng.integers(0, 1 << 40, count).astype(np.uint64)
+    flags = np.zeros(count, dtype=np.uint32)
+    payload = int(lengths.sum())
+    body_len = count * f.RUN_SIZE
+    magic, version, slot, gen = f.MAGIC, f.FRAME_VERSION, int(rng.integers(0, 1 << 32)), int(rng.integers(0, 1 << 64, dtype=np.uint64))
+    roll = rng.random()
+    if kind != 2:
+        count_field, payload = (0, 0) if rng.random() < 0.8 else (int(rng.integers(0, 3)), int(rng.integers(0, 3)))
+        body_len = int(rng.choice([0, 1, 77, MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES + 1]))
+        header = struct.pack("<2sBBIQIIQ", magic, version, kind, slot, gen, count_field, body_len, payload)
+        return header
+    if roll < 0.05:
+        magic = b"XK"
+    elif roll < 0.1:
+        version = int(rng.choice([0, 2, 255]))
+    elif roll < 0.15:
+        count = int(rng.choice([0, f.MAX_RUNS + 1]))  # refused at the header: no body follows
+        return struct.pack("<2sBBIQIIQ", magic, version, kind, slot, gen, count, count * f.RUN_SIZE, payload)
+    elif roll < 0.2:
+        body_len += int(rng.choice([-24, -1, 1, 24]))
+    elif roll < 0.25:
+        payload = int(rng.choice([0, f.MAX_PAYLOAD + 1, payload + 1, payload - 1]))
+    elif roll < 0.3:
+        flags[int(rng.integers(0, count))] = int(rng.integers(1, 1 << 32))
+    elif roll < 0.35:
+        i = int(rng.integers(0, count))
+        payload -= int(lengths[i])
+        lengths[i] = 0
+    elif roll < 0.4:
+        i = int(rng.integers(0, count))
+        payload += f.MAX_PAYLOAD + 1 - int(lengths[i])
+        lengths[i] = f.MAX_PAYLOAD + 1
+    elif roll < 0.45:
+        far = [f.MAX_OFFSET, f.MAX_OFFSET - 1, (1 << 64) - 1][int(rng.integers(0, 3))]
+        offsets[int(rng.integers(0, count))] = np.uint64(far)
+    header = struct.pack("<2sBBIQIIQ", magic, version, kind, slot, gen, count, body_len, payload % (1 << 64))
+    runs = np.zeros(count, dtype=f.RUN_DTYPE)
+    runs["flags"], runs["offset"], runs["length"] = flags, offsets, lengths
+    return header + runs.tobytes()
+
+
+def _python(frame: bytes) -> tuple[tuple, list] | str:
+    try:
+        header = f.parse_header(frame[: f.HEADER_SIZE])
+        if header.kind is not f.FrameKind.WRITE:
+            return (header, None)
+        runs = f.parse_runs(header, frame[f.HEADER_SIZE : f.HEADER_SIZE + header.body_len])
+        return (header, runs.tolist())
+    except ProtocolError as exc:
+        return str(exc)
+
+
+def _native(frame: bytes) -> tuple[tuple, list] | str:
+    a, b = socket.socketpair()
+    try:
+        a.sendall(frame)
+        try:
+            header, runs = tcp.recv_frame_head(b)
+        except ProtocolError as exc:
+            return str(exc)
+        return (header, None if runs is None else runs.tolist())
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_frame_head_reads_what_the_python_parsers_read(seed):
+    rng = np.random.default_rng(seed)
+    outcomes = {"write": 0, "other": 0, "refused": 0}
+    for _ in range(600):
+        frame = _random_frame(rng)
+        expected = _python(frame)
+        assert _native(frame) == expected, frame.hex()
+        key = "refused" if isinstance(expected, str) else ("write" if expected[1] is not None else "other")
+        outcomes[key] += 1
+    assert min(outcomes.values()) > 30, outcomes
+
+
+def test_the_c_frame_head_reports_a_closed_peer():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(f.write_header(1, 2, 1, 64)[:10])
+        a.close()
+        with pytest.raises(ConnectionError):
+            tcp.recv_frame_head(b)
+    finally:
+        b.close()

@@ -258,21 +258,23 @@ static PyObject *recv_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset)
- *     -> (status, kind, slot, generation, count, body_len, payload_len, header, runs)
+/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered])
+ *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
  * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
  * kvxfer/wire/frames.py's parse_header does; for a WRITE frame also read its run table and check it as
  * parse_runs does (no flags, no empty run, none longer than max_payload, offsets below max_offset, the
- * lengths adding up to payload_len). status 0: a WRITE frame, `runs` its table (bytes); 1: a valid
- * header of another kind (its body is left in the socket; runs None); -1: the header breaks a rule;
+ * lengths adding up to payload_len). status 0: a WRITE frame, `body` its run table (bytes); 2: an ORDERED
+ * frame of at most max_ordered body bytes, `body` its body; 1: another valid header (its body is left in
+ * the socket; body None); -1: the header breaks a rule;
  * -2: the run table does. On -1 and -2 the caller runs the Python parser on `header` (and `runs`),
  * which names the rule. The twin of parse_header + parse_runs: tests/test_guard_native.py holds them
  * equal on random and hostile frames. */
 static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     int fd;
     unsigned int version, max_runs;
-    unsigned long long max_payload, max_message, max_offset;
-    if (!PyArg_ParseTuple(args, "iIIKKK", &fd, &version, &max_runs, &max_payload, &max_message, &max_offset))
+    unsigned long long max_payload, max_message, max_offset, max_ordered = 0;
+    if (!PyArg_ParseTuple(args, "iIIKKK|K", &fd, &version, &max_runs, &max_payload, &max_message, &max_offset,
+                          &max_ordered))
         return NULL;
     uint8_t h[32];
     uint64_t a = (uint64_t)(uintptr_t)h, l = sizeof(h);
@@ -300,8 +302,9 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     } else if (count != 0 || payload_len != 0 || body_len < 1 || body_len > max_message) {
         status = -1;
     }
+    if (status == 1 && kind == 3 && body_len <= max_ordered) status = 2;  /* its body is read here too */
     PyObject *runs = NULL;
-    if (status == 0) {
+    if (status == 0 || status == 2) {
         runs = PyBytes_FromStringAndSize(NULL, body_len);
         if (runs == NULL) return NULL;
         uint8_t *body = (uint8_t *)PyBytes_AS_STRING(runs);
@@ -314,7 +317,7 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
             return raise_recv(rc);
         }
         uint64_t added = 0;
-        for (uint32_t i = 0; i < count; i++) {
+        for (uint32_t i = 0; status == 0 && i < count; i++) {
             uint32_t flags;
             uint64_t offset, length;
             memcpy(&flags, body + 24 * i + 4, 4);
@@ -327,6 +330,7 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
             added += length;
         }
         if (status == 0 && added != payload_len) status = -2;
+        /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
     } else {
         runs = Py_None;
         Py_INCREF(runs);
@@ -1175,8 +1179,8 @@ static PyMethodDef methods[] = {
     {"load_zlib_ng", load_zlib_ng, METH_VARARGS, "load_zlib_ng(path) -> bool: use zlib-ng's C checksums"},
     {"recv_runs", recv_runs, METH_VARARGS, "recv_runs(fd, addresses, lengths): fill runs from a socket"},
     {"recv_frame_head", recv_frame_head, METH_VARARGS,
-     "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset) -> (status, kind, slot, "
-     "generation, count, body_len, payload_len, header, runs)"},
+     "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered]) -> (status, kind, "
+     "slot, generation, count, body_len, payload_len, header, body)"},
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
      "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},

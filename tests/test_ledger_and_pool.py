@@ -52,6 +52,29 @@ def test_random_policy_is_seeded_and_covers_the_pool():
     ledger.check_invariants()
 
 
+def test_random_policy_keeps_the_free_list_exact_through_churn():
+    """The random free list closes the holes a pop leaves with its tail's survivors: through random
+    allocations and releases every page is either free once or held once, and every page is handed out
+    over time (the choice stays uniform over what is free, not biased to the list's front)."""
+    ledger = PageLedger(500, policy="random", seed=9)
+    rng = np.random.default_rng(2)
+    held: list[tuple[int, np.ndarray]] = []
+    handed_out: set[int] = set()
+    for gen in range(1, 800):
+        if held and (rng.random() < 0.45 or ledger.free_count < 40):
+            old_gen, pages = held.pop(int(rng.integers(0, len(held))))
+            ledger.release(pages, old_gen, allowed=(PageState.RESERVED,))
+        else:
+            pages = ledger.allocate(int(rng.integers(1, 40)), gen)
+            handed_out.update(pages.tolist())
+            held.append((gen, pages))
+        ledger.check_invariants()
+        free = ledger.free_pages().tolist()
+        in_use = [p for _, pages in held for p in pages.tolist()]
+        assert len(set(free)) == len(free) and sorted(free + in_use) == list(range(500))
+    assert len(handed_out) == 500
+
+
 def test_generation_changes_on_every_allocation():
     ledger = PageLedger(4)
     seen = []

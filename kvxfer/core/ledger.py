@@ -171,13 +171,17 @@ class _RandomFreeList(_FreeList):
         self._n += len(pages)
 
     def pop(self, count: int) -> np.ndarray:
-        chosen = self._rng.choice(self._n, size=count, replace=False)
-        out = self._items[chosen].copy()
-        keep = np.ones(self._n, dtype=bool)
-        keep[chosen] = False
-        remaining = self._items[: self._n][keep]
-        self._n = len(remaining)
-        self._items[: self._n] = remaining
+        """``count`` distinct free pages, uniformly at random; the list closes the holes they leave with
+        the survivors from its tail, so a pop costs O(count), not O(free pages) (1 ms per page at a
+        million pages when it compacted the whole list)."""
+        n, items = self._n, self._items
+        chosen = self._rng.choice(n, size=count, replace=False)
+        out = items[chosen].copy()
+        kept = n - count
+        tail_survives = np.ones(count, dtype=bool)
+        tail_survives[chosen[chosen >= kept] - kept] = False
+        items[chosen[chosen < kept]] = items[kept:n][tail_survives]
+        self._n = kept
         return out
 
     def contents(self) -> np.ndarray:

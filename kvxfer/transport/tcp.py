@@ -169,19 +169,21 @@ _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
 
-def recv_frame_head(sock: socket.socket) -> tuple[f.FrameHeader, np.ndarray | None]:
-    """One frame's header from ``sock`` and, for a WRITE frame, its run table, read and checked in C
+def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameHeader, Any]:
+    """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for an ORDERED
+    frame of at most ``max_ordered`` body bytes its body (bytes), read and checked in C
     (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`
-    and :func:`~kvxfer.wire.frames.parse_runs`); other frames' bodies stay in the socket. A frame C refuses
+    and :func:`~kvxfer.wire.frames.parse_runs`); other bodies stay in the socket (None). A frame C refuses
     is parsed by the Python rules, which raise the ProtocolError naming the rule."""
-    status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(sock.fileno(), *_FRAME_LIMITS)
+    status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
+        sock.fileno(), *_FRAME_LIMITS, max_ordered)
     if status < 0:
         header = f.parse_header(raw)
         if status == -2:
             f.parse_runs(header, body)
         raise ProtocolError(f"frame refused by the native parser but not by the Python rules: {raw.hex()}")
     header = f.FrameHeader(_KINDS[kind], slot, gen, count, body_len, payload_len)
-    return header, (np.frombuffer(body, dtype=f.RUN_DTYPE) if status == 0 else None)
+    return header, (np.frombuffer(body, dtype=f.RUN_DTYPE) if status == 0 else body)
 
 
 def send_all(sock: socket.socket, pieces: list[Any]) -> None:
@@ -555,23 +557,24 @@ class TcpReceiver(ReceiverBackend):
                 staging = Staging(copy_engine(self.layout, self._staging_mode), self.frame_limit)
             in_c = _C_FRAME_HEAD is not None and staging is None
             while True:
-                runs = None
-                if in_c:  # the header and a WRITE frame's run table, read and checked in one C call
-                    header, runs = recv_frame_head(sock)
+                body = None
+                if in_c:  # the header and a WRITE frame's run table or an ORDERED body, in one C call
+                    header, body = recv_frame_head(sock, self.max_ordered_body)
                 else:
                     recv_exact(sock, header_view)
                     header = f.parse_header(header_buf)
                 t0 = time.perf_counter()
                 if header.kind is f.FrameKind.WRITE:
-                    self._land_write(sock, inbound, header, staging, runs)
+                    self._land_write(sock, inbound, header, staging, body)
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED:
                     if header.body_len > self.max_ordered_body:  # refused before allocating or reading it
                         raise ProtocolError(f"ORDERED frame body of {header.body_len} bytes exceeds "
                                             f"max_ordered_body ({self.max_ordered_body})")
-                    body = bytearray(header.body_len)
-                    recv_exact(sock, memoryview(body))
+                    if body is None:
+                        body = bytearray(header.body_len)
+                        recv_exact(sock, memoryview(body))
                     msg = m.decode(body)
                     if not isinstance(msg, ORDERED_TYPES):
                         raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")

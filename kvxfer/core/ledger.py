@@ -410,8 +410,8 @@ class PageLedger:
         ``generation`` can still land (completion, drain acknowledgement or fence)."""
         pages = _as_pages(pages)
         allowed = tuple(allowed)
-        ok = self.owned_by(pages, generation, allowed)
-        if not all_set(ok):
+        if not self.holds(pages, generation, allowed):
+            ok = self.owned_by(pages, generation, allowed)
             self._raise_not_owned(pages[~ok], generation, allowed, "release")
         self.state[pages] = _FREE
         self._free.push(pages)

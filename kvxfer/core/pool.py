@@ -159,8 +159,7 @@ class PagePool:
     def release(self, pages: np.ndarray, generation: int, *, allowed: Iterable[PageState]) -> None:
         """Scrub (per policy) and free pages owned by ``generation``, after checking ownership."""
         allowed = tuple(allowed)
-        ok = self.ledger.owned_by(pages, generation, allowed)
-        if not ok.all():
+        if not self.ledger.holds(pages, generation, allowed):
             # Let the ledger raise its detailed error before any byte is scrubbed.
             self.ledger.release(pages, generation, allowed=allowed)
         self.scrub(pages)

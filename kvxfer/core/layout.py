@@ -65,6 +65,8 @@ class KVLayout:
                 )
         self._check_no_overlap()
         self.item_lens = np.array([b.item_len for b in self.buffers], dtype=np.int64)
+        self.item_lens.setflags(write=False)  # fixed with the buffers: page_bytes is computed once
+        self._page_bytes = int(self.item_lens.sum())
         if geometry is not None:
             if not isinstance(geometry, KVGeometry):
                 raise ConfigError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
@@ -153,7 +155,7 @@ class KVLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes one page occupies across all buffers."""
-        return int(self.item_lens.sum())
+        return self._page_bytes
 
     @property
     def pool_tokens(self) -> int:

@@ -258,6 +258,36 @@ static PyObject *recv_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A WRITE frame's run table (count 24-byte records) within frames.py's check_runs limits (no flags, no
+ * empty run, none longer than max_payload, offsets below max_offset), adding up to payload_len. */
+static int run_table_ok(const uint8_t *body, uint32_t count, uint64_t payload_len, uint64_t max_payload,
+                        uint64_t max_offset) {
+    uint64_t added = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        uint32_t flags;
+        uint64_t offset, length;
+        memcpy(&flags, body + 24 * (size_t)i + 4, 4);
+        memcpy(&offset, body + 24 * (size_t)i + 8, 8);
+        memcpy(&length, body + 24 * (size_t)i + 16, 8);
+        if (flags != 0 || length == 0 || length > max_payload || offset >= max_offset) return 0;
+        added += length;
+    }
+    return added == payload_len;
+}
+
+/* check_run_table(runs, payload_len, max_payload, max_offset) -> bool: run_table_ok on a table already in
+ * memory (the shm ring's frames, verbs write logs): True when it passes, False when the Python rules must
+ * name what it breaks. */
+static PyObject *check_run_table(PyObject *self, PyObject *args) {
+    Py_buffer runs;
+    unsigned long long payload_len, max_payload, max_offset;
+    if (!PyArg_ParseTuple(args, "y*KKK", &runs, &payload_len, &max_payload, &max_offset)) return NULL;
+    int ok = runs.len % 24 == 0 && runs.len / 24 <= UINT32_MAX &&
+             run_table_ok((const uint8_t *)runs.buf, (uint32_t)(runs.len / 24), payload_len, max_payload, max_offset);
+    PyBuffer_Release(&runs);
+    return PyBool_FromLong(ok);
+}
+
 /* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered])
  *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
  * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
@@ -316,21 +346,8 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
             Py_DECREF(runs);
             return raise_recv(rc);
         }
-        uint64_t added = 0;
-        for (uint32_t i = 0; status == 0 && i < count; i++) {
-            uint32_t flags;
-            uint64_t offset, length;
-            memcpy(&flags, body + 24 * i + 4, 4);
-            memcpy(&offset, body + 24 * i + 8, 8);
-            memcpy(&length, body + 24 * i + 16, 8);
-            if (flags != 0 || length == 0 || length > max_payload || offset >= max_offset) {
-                status = -2;
-                break;
-            }
-            added += length;
-        }
-        if (status == 0 && added != payload_len) status = -2;
         /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
+        if (status == 0 && !run_table_ok(body, count, payload_len, max_payload, max_offset)) status = -2;
     } else {
         runs = Py_None;
         Py_INCREF(runs);
@@ -1178,6 +1195,8 @@ static PyMethodDef methods[] = {
      "combine_items(algo, initial, values, lengths) -> int: the checksum of concatenated pieces"},
     {"load_zlib_ng", load_zlib_ng, METH_VARARGS, "load_zlib_ng(path) -> bool: use zlib-ng's C checksums"},
     {"recv_runs", recv_runs, METH_VARARGS, "recv_runs(fd, addresses, lengths): fill runs from a socket"},
+    {"check_run_table", check_run_table, METH_VARARGS,
+     "check_run_table(runs, payload_len, max_payload, max_offset) -> bool: a WRITE run table within the limits"},
     {"recv_frame_head", recv_frame_head, METH_VARARGS,
      "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered]) -> (status, kind, "
      "slot, generation, count, body_len, payload_len, header, body)"},

@@ -1,5 +1,6 @@
-"""The tcp receiver's frame head in C (``recv_frame_head``, native/kvxfer_native.c) held to the Python
-parsers it stands in for (kvxfer/wire/frames.py: parse_header and parse_runs).
+"""The tcp receiver's frame head in C (``recv_frame_head``, native/kvxfer_native.c) and the run-table
+check every transport's parse_runs takes first (``check_run_table``) held to the Python parsers they stand
+in for (kvxfer/wire/frames.py: parse_header and parse_runs).
 
 Random frames, most of them broken on purpose (magic, version, kind, run count, body and payload lengths,
 run flags, empty, oversized and far-off runs, lengths that do not add up), are written into a real
@@ -77,6 +78,14 @@ MAX_ORDERED = 100  # ORDERED bodies up to this size are read with the header
 
 
 def _python(frame: bytes) -> tuple[tuple, list] | str:
+    saved, f._C_RUN_TABLE = f._C_RUN_TABLE, None  # the Python rules alone
+    try:
+        return _parse(frame)
+    finally:
+        f._C_RUN_TABLE = saved
+
+
+def _parse(frame: bytes) -> tuple[tuple, list] | str:
     try:
         header = f.parse_header(frame[: f.HEADER_SIZE])
         if header.kind is f.FrameKind.ORDERED and header.body_len <= MAX_ORDERED:
@@ -115,6 +124,21 @@ def test_the_c_frame_head_reads_what_the_python_parsers_read(seed):
                else "ordered" if expected[1] is not None else "other")
         outcomes[key] += 1
     assert min(outcomes.values()) > 25, outcomes
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_parse_runs_with_the_c_table_check_is_the_python_rule(seed):
+    """parse_runs (the shm ring's frames, verbs write logs) takes a table the C check passes at once;
+    on random and broken frames it returns or refuses exactly as the Python rules alone do."""
+    assert f._C_RUN_TABLE is not None
+    rng = np.random.default_rng(50 + seed)
+    writes = 0
+    for _ in range(1000):
+        frame = _random_frame(rng)
+        expected = _python(frame)
+        assert _parse(frame) == expected, frame.hex()
+        writes += isinstance(expected, tuple) and isinstance(expected[1], list)
+    assert writes > 100
 
 
 def test_the_c_frame_head_reports_a_closed_peer():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import random
 from collections.abc import Iterable
 
 import numpy as np
@@ -154,6 +155,9 @@ class _FifoFreeList(_FreeList):
         self._items[: self._n] = items
 
 
+_FEW_RANDOM = 16  # random pops of up to this many pages pick one by one
+
+
 class _RandomFreeList(_FreeList):
     """Uniformly random choice among free pages (seeded, so runs are reproducible)."""
 
@@ -162,6 +166,7 @@ class _RandomFreeList(_FreeList):
         self._items = np.arange(num_pages, dtype=np.int64)
         self._n = num_pages
         self._rng = np.random.default_rng(seed)
+        self._few_rng = random.Random(seed)  # a few pages at a time: Python's generator, without numpy's per-call cost
 
     def __len__(self) -> int:
         return self._n
@@ -175,6 +180,15 @@ class _RandomFreeList(_FreeList):
         the survivors from its tail, so a pop costs O(count), not O(free pages) (1 ms per page at a
         million pages when it compacted the whole list)."""
         n, items = self._n, self._items
+        if count <= _FEW_RANDOM:  # swap each pick with the list's last page
+            out = np.empty(count, dtype=np.int64)
+            for i in range(count):
+                j = self._few_rng.randrange(n)
+                n -= 1
+                out[i] = items[j]
+                items[j] = items[n]
+            self._n = n
+            return out
         chosen = self._rng.choice(n, size=count, replace=False)
         out = items[chosen].copy()
         kept = n - count

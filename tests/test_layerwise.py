@@ -303,6 +303,57 @@ def test_prefill_accounting_counts_sources_held_by_posted_writes(engines):
     pair.decode.wait("held", until=(R.READABLE, R.ABORTED, R.FAILED))
 
 
+def test_prefill_accounting_counts_sources_of_a_request_the_history_let_go(engines, monkeypatch):
+    """A request that ended while its writes were still posted keeps its sources until they are
+    reported, also after the bounded history of ended requests dropped it (more requests ended since):
+    check_accounting() still counts them."""
+    from kvxfer.engine import sender as sender_module
+
+    pair = engines()
+    monkeypatch.setattr(sender_module, "HISTORY_LIMIT", 1)
+    src = _admitted(pair, "held", 5, seed=18)
+    gate = threading.Event()
+    pair.prefill.send("held", ready=gate)
+    pair.prefill.abort("held")
+    after = _admitted(pair, "after", 2, seed=19)
+    pair.prefill.send("after")  # queued behind 'held', whose event holds the link
+    pair.prefill.abort("after")  # ends: the history (one entry) keeps 'after' and lets 'held' go
+    assert "held" not in pair.prefill.sender.recent
+    counts = pair.prefill.check_accounting()
+    assert counts["sources_in_flight"] == src.size + after.size and counts["writes_in_flight"] > 0
+    gate.set()
+    wait_for(lambda: pair.prefill.check_accounting()["sources_in_flight"] == 0, what="sources back")
+    assert pair.prefill.pool.ledger.free_count == pair.prefill.layout.num_pages
+    for rid in ("held", "after"):
+        pair.decode.wait(rid, until=(R.READABLE, R.ABORTED, R.FAILED))
+
+
+def test_send_layer_refuses_a_ready_that_is_not_an_event_at_the_call(transport):
+    """send_layer() itself (not only send(buffers=...)) refuses a ready that is not an event before
+    anything is posted, and the request goes on."""
+    config = EngineConfig(max_context=64 * 16, heartbeat_interval=0.2, transport=transport,
+                          **({"peer_timeout": 60.0} if transport == "verbs" else {}))
+    prefill = PrefillEngine(_geometry_layout(64, 16, layers=2), config)
+    decode = DecodeEngine(_geometry_layout(64, 16, layers=2), config)
+    try:
+        peer = decode.connect(prefill.address)
+        prefill.admit("g", 40, peer=decode.engine_id)
+        decode.admit("g", 40, peer=peer)
+        prefill.wait_ready("g")
+        for ready in (5, "event", True):
+            with pytest.raises(InvalidArgument, match="ready must be an event") as err:
+                prefill.send_layer("g", 0, ready=ready)
+            assert "'g'" in str(err.value)
+        assert prefill.sender.stats["writes_posted"] == 0
+        for layer in (0, 1):
+            prefill.send_layer("g", layer)
+        assert decode.wait("g").state is R.READABLE
+        decode.release("g")
+        assert prefill.wait("g").state is S.SUCCEEDED
+    finally:
+        close_checked([prefill, decode])
+
+
 def test_prefill_accounting_fails_when_a_settled_request_still_holds_sources(engines, monkeypatch):
     """The checker catches the bug class of a request that ended and drained without its sources going
     back (simulated: the release step lost)."""

@@ -1384,10 +1384,14 @@ class Sender:
             for req in list(self.undrained.values()):
                 self._maybe_release(req)  # as tick() does: a link that ended just now has not told us yet
             counts = self.pool.ledger.check_invariants()
-            ended = [r for r in self.recent.values() if not r.sources_released and r.pages.size and not r.external]
+            # every ended request still holding sources: those in the history, and those the history
+            # let go (its size bound, a request id used again) but which wait on their writes
+            ended_by_id = {id(r): r for r in (*self.recent.values(), *self.undrained.values())
+                           if not r.sources_released and r.pages.size and not r.external}
+            ended = list(ended_by_id.values())
             holders = list(self.active.values()) + ended
             for req in holders:
-                if req in ended and self.settled(req):
+                if id(req) in ended_by_id and self.settled(req):
                     raise LedgerInvariantError(f"settled ({req.state.value}, drained) but still holds its "
                                                f"{req.pages.size} source pages", rid=req.rid, generation=req.gen or None)
                 # a link sets ``ended`` only after every write it took was reported, each report under this

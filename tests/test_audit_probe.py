@@ -118,11 +118,14 @@ def test_probe_refuses_targets_off_loopback() -> None:
     assert "--i-own-this-deployment" in out.stderr
 
 
-def test_probe_reports_an_unreachable_target_as_an_error() -> None:
+def test_probe_refuses_a_target_where_nothing_listens() -> None:
+    """Nothing listening is a bad URL, refused before any request (tests/test_cli_errors.py: a target that
+    stops answering during the probe is an ERROR verdict, exit 1)."""
     out = subprocess.run([sys.executable, "-m", "kvxfer", "audit", "probe", "http://127.0.0.1:9", "--words", "10",
                           "--json", "--timeout", "5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert json.loads(out.stdout)["verdict"] == "ERROR"
+    assert out.stdout == "" and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("kvxfer audit probe: URL http://127.0.0.1:9: nothing answers at 127.0.0.1:9")
 
 
 @pytest.mark.parametrize(("path", "body", "needle"), [

@@ -13,6 +13,7 @@ fails the test if it is ever reached.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -153,6 +154,8 @@ IN_PROCESS = [
     (["stress", "--unsafe-legacy", "--prefill-pages", "8192", "--json", OUT], "stress", "--unsafe-legacy"),
     (["stress", "--report", "/nonexistent/r.png"], "stress", "--report"),
     (["stress", "--layers", "64", "--item-len", "1073741824"], "stress", "--item-len"),
+    (["stress", "--gid-index", "-5"], "stress", "--gid-index"),
+    (["stress", "--gid-index", "256"], "stress", "--gid-index"),
     # bench
     (["bench", "--total-small", "0"], "bench", "--total-small"),
     (["bench", "--request-bytes", "lots", "--json", OUT], "bench", "--request-bytes"),
@@ -172,6 +175,11 @@ IN_PROCESS = [
     (["bench", "--json", "/nonexistent/b.json"], "bench", "--json"),
     (["bench", "--request-bytes", "1G", "--total", "1G", "--concurrency", "64", "--json", OUT], "bench",
      "--request-bytes"),
+    # the other modes' pools are sized before any child starts (terabytes: more than any machine here)
+    (["bench", "--small-requests", "8,4096", "--page-bytes", "1G", "--json", OUT], "bench", "--small-requests"),
+    (["bench", "--ttft", "--ttft-tokens", "128,50000000", "--json", OUT], "bench", "--ttft-tokens"),
+    (["bench", "--first-request", "--request-bytes", "4096G", "--json", OUT], "bench", "--first-request"),
+    (["bench", "--gid-index", "x"], "bench", "--gid-index"),
     # serve-toy
     (["serve-toy", "--context", "0"], "serve-toy", "--context"),
     (["serve-toy", "--decode-pages", "1"], "serve-toy", "--decode-pages"),
@@ -199,6 +207,7 @@ IN_PROCESS = [
     (["audit", "probe", "http://127.0.0.1:9", "--words", "5", "--timeout", "0"], "audit probe", "--timeout"),
     (["audit", "probe", "http://127.0.0.1:99999", "--words", "5"], "audit probe", "URL"),
     (["audit", "probe", "ftp://127.0.0.1/", "--words", "5"], "audit probe", "URL"),
+    (["audit", "probe", "http://127.0.0.1:9", "--words", "5"], "audit probe", "URL"),  # nothing listens there
     (["audit", "capacity", "{dir}"], "audit capacity", "LOG"),
     # keygen
     (["keygen", "{dir}", "a", "a"], "keygen", "NAME"),
@@ -254,6 +263,43 @@ def test_every_subcommand_refuses_bad_values_before_any_work(no_work, capsys, tm
     assert sorted(p.name for p in out.parent.iterdir()) == [], "an output was written"
 
 
+def _subcommands(parser, prefix: str = "") -> set[str]:
+    """Every subcommand of ``parser`` that runs a job, as its errors name it ("stress", "audit probe")."""
+    import argparse
+
+    found: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                below = _subcommands(sub, f"{prefix}{name} ")
+                found |= below or {f"{prefix}{name}"}
+    return found
+
+
+def test_the_tables_cover_every_subcommand():
+    """A subcommand added to the parser without a bad-value row here fails this test."""
+    from kvxfer.tools import cli
+
+    commands = _subcommands(cli.build_parser())
+    assert {"demo", "stress", "bench", "audit probe", "audit capacity"} <= commands  # the walk finds them
+    covered = {case[1] for case in IN_PROCESS}
+    assert commands <= covered, f"no bad-value row for: {sorted(commands - covered)}"
+    assert {case[2] for case in COMMAND_LINE} <= commands
+
+
+@pytest.mark.parametrize("command", ["demo", "stress", "bench"])
+def test_a_bad_transport_variable_is_named(no_work, capsys, monkeypatch, command):
+    monkeypatch.setenv("KVXFER_TRANSPORT", "bogus")
+    from kvxfer.tools import cli
+
+    code = cli.main([command])
+    captured = capsys.readouterr()
+    _assert_refused(code, captured.out, captured.err, command, "KVXFER_TRANSPORT=bogus")
+    assert "unknown transport 'bogus' (available: " in captured.err
+    assert cli.main([command, "--transport", "rdma"]) == 2  # the flag, when given, is what is judged
+    assert "argument --transport" in capsys.readouterr().err
+
+
 def test_unrecognized_and_missing_arguments_are_one_line(capsys):
     from kvxfer.tools import cli
 
@@ -292,6 +338,38 @@ def test_an_error_while_working_is_one_line_with_exit_1_and_debug_shows_where(mo
     assert cli.main(["--debug", "simulate", "--seeds", "1", "--warmups", "0", "--policies", "lifo"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "in broken" in err
+
+
+def test_a_probe_whose_target_fails_during_the_work_is_exit_1():
+    """Something accepts the connection (the check passes) and then drops every request: the probe ran and
+    failed, an ERROR verdict with exit status 1, not the refusals' 2."""
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.2)
+        done = threading.Event()
+
+        def drop() -> None:
+            while not done.is_set():
+                try:
+                    server.accept()[0].close()
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=drop, daemon=True)
+        thread.start()
+        try:
+            out = _kvxfer("audit", "probe", f"http://127.0.0.1:{server.getsockname()[1]}", "--words", "5",
+                          "--markers", "2", "--timeout", "5", "--json")
+        finally:
+            done.set()
+            thread.join()
+    assert out.returncode == 1, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["verdict"] == "ERROR" and report["planted"] == 0
+    assert any(reason.startswith("planting failed: ") for reason in report["reasons"]), report["reasons"]
 
 
 def test_a_node_that_cannot_start_says_why():
@@ -371,6 +449,32 @@ def test_unsafe_legacy_alone_injects_the_incidents_fault_and_fails():
     text = " ".join(out.stdout.split())
     assert "injecting the incident's fault, oversized at rate 0.2" in text
     assert "FAIL: " in text and "leaked pages" in text and "PASS" not in text
+
+
+@pytest.mark.parametrize("argv", [["--seed", "2"], ["--fault", "oversized=0"]], ids=["no-fault-drawn", "rate-0"])
+def test_unsafe_legacy_that_injected_nothing_is_inconclusive(tmp_path, argv):
+    """The negative control with no fault fired (seed 2 draws none of oversized=0.2 in 20 requests; a rate of
+    0 never does) could not leak: not a PASS, exit 1."""
+    report = tmp_path / "stress.json"
+    out = _kvxfer("stress", "--unsafe-legacy", "--requests", "20", "--no-progress", "--json", str(report), *argv,
+                  timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())
+    assert "INCONCLUSIVE: --unsafe-legacy injected nothing, so the incident's leak could not happen" in text
+    assert "PASS" not in text and "Traceback" not in out.stderr
+    summary = json.loads(report.read_text())
+    assert summary["ok"] is False and not any(summary["faults"].values()) and summary["completed"] == 20
+
+
+def test_the_unsafe_legacy_verdict_needs_a_fault_that_fired():
+    from kvxfer.tools.stress.report import verdict_text
+
+    clean = {"leaked_pages": 0, "corrupted_pages": 0, "lost_pages": 0, "rejected_succeeded": 0,
+             "accounting_errors": [], "settled": True, "requests": 7, "completed": 7, "unsafe_legacy": True}
+    assert verdict_text({**clean, "faults": {"oversized": 0}}).startswith("INCONCLUSIVE: --unsafe-legacy injected")
+    assert verdict_text({**clean, "faults": {}, "net_faults": {"fired": {"link_down": 1}}}).startswith("PASS")
+    assert verdict_text({**clean, "faults": {"oversized": 0}, "leaked_pages": 3}).startswith("FAIL: 3 leaked")
+    assert verdict_text({**clean, "unsafe_legacy": False, "faults": {}}).startswith("PASS")
 
 
 def test_a_stress_run_where_nothing_completed_is_not_a_pass():

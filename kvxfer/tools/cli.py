@@ -1,6 +1,6 @@
 """The ``kvxfer`` command line: one subcommand per job, each in its own module, imported on use.
 
-The jobs that run engines or child processes (``demo``, ``stress``, ``bench``, ``serve-toy``) stop
+The jobs that run engines or child processes (``demo``, ``stress``, ``bench``, ``serve-toy``, ``fleet``) stop
 cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGHUP: children stopped, temporary files removed, one line
 on stderr naming the job and the signal, exit status 128 + the signal's number
 (:func:`kvxfer.tools.procs.run_stoppable`).
@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="negative control: the incident's behaviour (no rejection, no verification, "
                         "immediate free); the oracle must report leaks. Without --fault or --all-faults it injects "
                         f"the incident's fault, {UNSAFE_LEGACY_FAULT[0]}={UNSAFE_LEGACY_FAULT[1]:g} (prompts longer "
-                        "than the prefill pool), so that it leaks within a few dozen requests")
+                        "than the prefill pool), so that it leaks within a few dozen requests; a run in which no "
+                        "fault fired is INCONCLUSIVE (exit 1), never a PASS")
     stress.add_argument("--json", metavar="PATH", type=output_path, help="write the summary as JSON (default: not written)")
     stress.add_argument("--report", metavar="PATH.png", type=output_path,
                         help="draw throughput over time and latencies (default: not drawn)")
@@ -572,6 +573,7 @@ def _check_bench(args: argparse.Namespace) -> None:
         raise ConfigError("--busy-caller applies to --small-requests only")
     if args.ttft:
         args.bench_config = _ttft_config(args)
+        _check_ttft_memory(args.bench_config)
         return
     defaults = BenchConfig()
     transport = args.engine["transport"]
@@ -623,22 +625,65 @@ def _check_bench(args: argparse.Namespace) -> None:
                 tp_shape(page)
             except ConfigError as exc:
                 raise ConfigError(f"--tp {config.tp} with --page-bytes {page}: {exc}") from None
-    if not (config.first_request or config.small_requests):
+    if config.first_request:
+        _check_first_request_memory(config)
+    elif config.small_requests:
+        _check_small_requests_memory(config)
+    else:
         _check_bench_memory(config)
     args.bench_config = config
 
 
-def _check_bench_memory(config: Any) -> None:
-    """The pools of a page size's kvxfer cases (all started before the rounds) must fit this machine."""
+def _bench_pools(config: Any, page: int) -> list[tuple[str, int]]:
+    """(what, bytes) of the pools of one page size's kvxfer cases, all started before the rounds."""
     from .bench.cases import _geometry
-    from .checks import human_bytes, memory_for
 
     cases = (2 if config.checks == "both" else 1) * (2 if config.compare_windows and config.transport == "verbs" else 1)
+    cases *= 2 if config.compare_inline and config.transport in ("tcp", "shm") else 1
+    _pages, per_request, _requests, pool_pages = _geometry(config, page)
+    return [("decode pool", pool_pages * page), ("prefill pool", (pool_pages // 2 + per_request) * page)] * cases
+
+
+def _check_bench_memory(config: Any) -> None:
+    """The pools of a page size's kvxfer cases (all started before the rounds) must fit this machine."""
+    from .checks import human_bytes, memory_for
+
     for page in sorted(set(config.page_sizes), reverse=True):
-        _pages, per_request, _requests, pool_pages = _geometry(config, page)
-        pools = [("decode pool", pool_pages * page), ("prefill pool", (pool_pages // 2 + per_request) * page)] * cases
         memory_for(f"--request-bytes {human_bytes(config.request_bytes)} x --concurrency {config.concurrency} "
-                   f"(pools of 2 x concurrency requests) at --page-bytes {page}", pools)
+                   f"(pools of 2 x concurrency requests) at --page-bytes {page}", _bench_pools(config, page))
+
+
+def _check_small_requests_memory(config: Any) -> None:
+    """--small-requests: the pools of its largest request at each page size (one size runs at a time)."""
+    from .bench.small import DEFAULT_PAGES, _config_for
+    from .checks import memory_for
+
+    pages = max(config.small_requests or DEFAULT_PAGES)
+    for page in sorted(set(config.page_sizes), reverse=True):
+        memory_for(f"--small-requests of {pages} pages at --page-bytes {page} (pools of 2 requests)",
+                   _bench_pools(_config_for(config, page, pages), page))
+
+
+def _check_first_request_memory(config: Any) -> None:
+    """--first-request: the long-lived prefill's pool and one fresh decode's, 2 requests each, at each page size."""
+    from .checks import human_bytes, memory_for
+
+    for page in sorted(set(config.page_sizes), reverse=True):
+        pool = 2 * max(1, config.request_bytes // page) * page
+        memory_for(f"--first-request with --request-bytes {human_bytes(config.request_bytes)} at --page-bytes {page} "
+                   "(pools of 2 requests)", [("prefill pool", pool), ("decode pool", pool)])
+
+
+def _check_ttft_memory(config: Any) -> None:
+    """--ttft: the prefill's and the decode's pools hold the longest prompt, K and V of every layer."""
+    from .checks import human_bytes, memory_for
+
+    model = config.model
+    pages = -(-max(config.tokens) // config.page_size) + 1
+    pool = pages * config.page_size * model.kv_bytes_per_token()
+    memory_for(f"--ttft-tokens {max(config.tokens):,} x --model-layers {model.layers} x --model-kv-heads "
+               f"{model.kv_heads} x --model-head-dim {model.head_dim} ({human_bytes(model.kv_bytes_per_token())} "
+               "per token)", [("prefill pool", pool), ("decode pool", pool)])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -661,7 +706,7 @@ def _transport_flags(parser: argparse.ArgumentParser) -> None:
                         help="data transport (default: $KVXFER_TRANSPORT, else tcp)")
     parser.add_argument("--ib-device", default=None,
                         help="verbs: RDMA device (default: $KVXFER_IB_DEVICE, else the first with an active port)")
-    parser.add_argument("--gid-index", type=int, default=None,
+    parser.add_argument("--gid-index", type=integer(0, 255, "a GID table index"), default=None,
                         help="verbs: GID index (default: $KVXFER_GID_INDEX, else the first RoCE v2 "
                         "IPv4-mapped GID)")
     parser.add_argument("--ib-windows", default=None, choices=["auto", "on", "off"],
@@ -677,6 +722,8 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if args.transport is not None:
         overrides["transport"] = args.transport
+    else:
+        _check_transport_variable()
     verbs = {key: value for key, value in (("device", args.ib_device), ("gid_index", args.gid_index),
                                            ("windows", args.ib_windows)) if value is not None}
     if verbs:
@@ -686,6 +733,16 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     overrides.setdefault("host", "127.0.0.1")
     config = EngineConfig.from_env(max_context=_ANY_CONTEXT, **overrides)
     return {"transport": config.transport, "transport_options": config.to_dict()["transport_options"]}
+
+
+def _check_transport_variable() -> None:
+    """ConfigError naming ``KVXFER_TRANSPORT=<value>`` when the variable names no registered transport."""
+    from ..errors import ConfigError
+    from ..transport.registry import names
+
+    value = (os.environ.get("KVXFER_TRANSPORT") or "").strip()
+    if value and value not in names():
+        raise ConfigError(f"KVXFER_TRANSPORT={value}: unknown transport {value!r} (available: {', '.join(names())})")
 
 
 def _fault_names() -> list[str]:

@@ -9,8 +9,10 @@ success status or a marker leaks; a missing marker proves nothing (a model need 
 read), the status is the test that counts.
 
 Speaks SGLang's native ``/generate`` and the OpenAI-compatible ``/v1/completions``. Refuses targets
-that are not loopback unless ``--i-own-this-deployment`` is given. Bounded: at most
-``--max-requests`` requests and ``--max-seconds`` seconds.
+that are not loopback unless ``--i-own-this-deployment`` is given, and a URL where nothing accepts a
+connection (exit status 2, before any request). Bounded: at most ``--max-requests`` requests and
+``--max-seconds`` seconds. Exit status: 0 PASS; 1 FAIL, or ERROR when the target stopped answering
+during the probe.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+# PASS 0; FAIL, or an ERROR while probing (the target stopped answering), 1; a mistake refused before any
+# request (kvxfer's one-line refusal) 2
+EXIT_PASS, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
+CONNECT_TIMEOUT_S = 10.0  # the check's TCP connect to the target, at most (or --timeout, if shorter)
 
 
 @dataclass
@@ -208,9 +213,27 @@ def _url(text: str) -> str:
     return text if "://" in text else f"http://{text}"
 
 
+def _port(parts: urllib.parse.SplitResult) -> int:
+    """The URL's port, or its scheme's (80, 443)."""
+    return parts.port if parts.port is not None else 443 if parts.scheme == "https" else 80
+
+
+def unreachable(url: str, timeout: float) -> str:
+    """"" when something accepts a TCP connection at ``url``'s host and port now (closed at once, no
+    request sent), else why not ("Connection refused", "timed out")."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, _port(parts)), timeout=timeout):
+            return ""
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
 def check(args: argparse.Namespace) -> None:
     """Before any request (``kvxfer audit probe``): a URL this probe can speak to, on loopback unless
-    ``--i-own-this-deployment``; a long prompt and room for a marker."""
+    ``--i-own-this-deployment``, where something listens; a long prompt and room for a marker."""
     from ...errors import ConfigError
 
     url = _url(args.url)
@@ -229,6 +252,10 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--words/--tokens: need a positive prompt length")
     if args.max_requests < 2:
         raise ConfigError(f"--max-requests {args.max_requests}: need at least 2 (a marker and the long prompt)")
+    why = unreachable(url, min(args.timeout, CONNECT_TIMEOUT_S))
+    if why:
+        raise ConfigError(f"URL {args.url}: nothing answers at {parts.hostname}:{_port(parts)} ({why}); start the "
+                          "deployment, or give the URL it serves on")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -240,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(report), indent=2))
     else:
         _print(report)
-    return {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL}.get(report.verdict, EXIT_ERROR)
+    return EXIT_PASS if report.verdict == "PASS" else EXIT_FAIL  # FAIL, or ERROR: the work failed
 
 
 def _print(report: ProbeReport) -> None:
@@ -279,5 +306,5 @@ if __name__ == "__main__":
         check(parsed)
     except ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
-        sys.exit(EXIT_ERROR)
+        sys.exit(EXIT_REFUSED)
     sys.exit(main(parsed))

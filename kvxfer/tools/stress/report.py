@@ -48,8 +48,15 @@ def outcome_text(s: dict[str, Any]) -> str:
     return f"{s['requests']} requests: " + "; ".join(parts) + "."
 
 
+def faults_fired(s: dict[str, Any]) -> int:
+    """Faults that fired in the run: the request and link faults, and two hosts' net faults."""
+    net = (s.get("net_faults") or {}).get("fired") or {}
+    return sum((s.get("faults") or {}).values()) + sum(net.values())
+
+
 def verdict_text(s: dict[str, Any]) -> str:
-    """PASS, or FAIL naming each check that failed and by how much (words, not colour)."""
+    """PASS, or FAIL naming each check that failed and by how much (words, not colour); under
+    ``--unsafe-legacy`` a clean run where no fault fired is INCONCLUSIVE: the negative control tested nothing."""
     problems = [f"{s[key]:,} {what}" for key, what in (
         ("leaked_pages", "leaked pages (other requests' bytes)"),
         ("corrupted_pages", "corrupted pages"),
@@ -68,6 +75,9 @@ def verdict_text(s: dict[str, Any]) -> str:
     net_errors = s.get("net_faults", {}).get("errors") or []
     if net_errors:
         problems.append(f"{len(net_errors)} net faults not applied or undone ({net_errors[0]})")
+    if not problems and s.get("unsafe_legacy") and not faults_fired(s):
+        return ("INCONCLUSIVE: --unsafe-legacy injected nothing, so the incident's leak could not happen (no fault "
+                f"fired in {s.get('requests', 0):,} requests: give more --requests or a higher --fault rate)")
     if not problems:
         return "PASS: no leaked, corrupted or lost pages; no rejected request succeeded; accounting clean"
     return "FAIL: " + "; ".join(problems)

@@ -41,7 +41,7 @@ def pool_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
 @dataclass
 class StressResult:
     """Everything a stress run counted and measured; :attr:`ok` is the verdict (no leak, no corruption, no lost
-    page, no rejected request that succeeded, accounting clean, settled)."""
+    page, no rejected request that succeeded, accounting clean, settled; under ``--unsafe-legacy``, a fault fired)."""
 
     config: StressConfig
     outcomes: Counter = field(default_factory=Counter)
@@ -130,7 +130,14 @@ class StressResult:
             and not self.net_errors
             and self.settled
             and self.outcomes["completed"] > 0  # an empty or wholly failed run checked nothing: never a pass
+            and not self.injected_nothing  # a negative control with no fault fired tested nothing either
         )
+
+    @property
+    def injected_nothing(self) -> bool:
+        """``--unsafe-legacy`` and no fault fired (request, link or net): the incident's leak could not happen."""
+        fired = sum(self.faults.values()) + sum((self.net.get("fired") or {}).values())
+        return self.config.unsafe_legacy and not fired
 
     def topology(self) -> dict[str, Any]:
         cfg = self.config

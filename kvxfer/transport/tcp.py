@@ -297,8 +297,10 @@ class TcpReceiver(ReceiverBackend):
                      if layout.device == "cpu" else [])
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         bind = host.strip("[]") if host not in ("", "*") else "0.0.0.0"
-        self._listener = socket.create_server((bind, port), backlog=64,
-                                              family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        # "::" binds every interface: IPv4 writers too, as the control plane's dual-stack socket takes them
+        self._listener = socket.create_server((bind, port), backlog=64, family=family,
+                                              dualstack_ipv6=bind == "::" and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         shown = advertise or host  # what writers connect to (kvxfer.wire.addresses): never a wildcard
         port = self._listener.getsockname()[1]

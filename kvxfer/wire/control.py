@@ -74,6 +74,24 @@ DIAL_TIMEOUT_MS = 2000
 LISTEN_BACKLOG = 1024  # the ROUTER's listen backlog (ZMQ's default is 100): hundreds of peers dial at once
 
 
+def zmq_bind_host(host: str) -> tuple[str, bool]:
+    """``host`` as a ZMQ tcp endpoint's host, and whether the socket needs IPv6 for it: ``""`` and ``*``
+    bind every IPv4 interface, an IPv6 address (``::`` every interface, dual-stack) is bracketed."""
+    bare = host.strip().strip("[]")
+    if bare in ("", "*"):
+        return "*", False
+    if ":" in bare:
+        return f"[{bare}]", True
+    return bare, False
+
+
+def unmapped(address: str) -> str:
+    """An IPv4 peer's address as IPv4 when a dual-stack socket reports it IPv4-mapped (``::ffff:a.b.c.d``)."""
+    if isinstance(address, str) and address.lower().startswith("::ffff:") and "." in address:
+        return address[7:]
+    return address
+
+
 def keep_alive(sock: zmq.Socket, *, dialler: bool) -> None:
     """ZMTP heartbeats on ``sock`` (both ends of a control connection) and, on a ``dialler`` (a DEALER),
     quick redials: a connection that stalls is dropped within :data:`PING_TIMEOUT_MS` and the next
@@ -146,11 +164,13 @@ class ControlPlane:
             self._router.curve_secretkey = keyring.secret
             self._router.zap_domain = ZAP_DOMAIN.encode()
             self._monitor = self._router.get_monitor_socket(_HANDSHAKE_FAILED)
+        bind_host, ipv6 = zmq_bind_host(host)
+        self._router.setsockopt(zmq.IPV6, int(ipv6))
         try:
             if port:
-                self._router.bind(f"tcp://{host}:{port}")
+                self._router.bind(f"tcp://{bind_host}:{port}")
             else:
-                port = self._router.bind_to_random_port(f"tcp://{host}")
+                port = self._router.bind_to_random_port(f"tcp://{bind_host}")
         except zmq.ZMQError:
             self._shutdown_sockets()
             raise
@@ -210,6 +230,7 @@ class ControlPlane:
             sock.setsockopt(zmq.SNDHWM, hwm)
             keep_alive(sock, dialler=True)
             sock.setsockopt(zmq.IMMEDIATE, 0)
+            sock.setsockopt(zmq.IPV6, int(endpoint.startswith("tcp://[")))
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
@@ -309,7 +330,7 @@ class ControlPlane:
                 if len(self._sources) >= _MAX_BOUND:
                     self._sources.pop(next(iter(self._sources)))
                 try:
-                    self._sources[identity] = frames[-1].get("Peer-Address")
+                    self._sources[identity] = unmapped(frames[-1].get("Peer-Address"))
                 except zmq.ZMQError:
                     self._sources[identity] = ""
             if len(frames) != 2:

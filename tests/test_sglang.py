@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+import types
+from http import HTTPStatus
 
 import numpy as np
 import pytest
@@ -322,16 +324,20 @@ def test_sglangs_own_plugin_loader_registers_the_backend_in_a_fresh_process():
 
 def test_an_admission_refusal_aborts_with_http_400_through_the_plugins_hook():
     """SGLang aborts every failed transfer with 500; kvxfer's hook (registered by the plugin, applied
-    by SGLang's loader) makes a prompt refused at admission a 400, other failures stay 500."""
+    by SGLang's loader) makes a prompt refused at admission a 400 and a prefill the decode does not
+    trust a 403; other failures stay 500."""
     code = ("import types; from sglang.srt.plugins import load_plugins; load_plugins(); "
-            "from sglang.srt.disaggregation import decode; from kvxfer.integrations.sglang import ADMISSION_REFUSED; "
-            "r1, r2 = types.SimpleNamespace(return_logprob=False), types.SimpleNamespace(return_logprob=False); "
+            "from sglang.srt.disaggregation import decode; "
+            "from kvxfer.integrations.sglang.reasons import ADMISSION_REFUSED, UNTRUSTED_PREFILL; "
+            "r1, r2, r3 = (types.SimpleNamespace(return_logprob=False) for _ in range(3)); "
             "decode.prepare_abort(r1, ADMISSION_REFUSED + ' prompt of 608 tokens can never fit', status_code=500); "
             "decode.prepare_abort(r2, 'connection lost', status_code=500); "
-            "print(int(r1.finished_reason.status_code), int(r2.finished_reason.status_code))")
+            "decode.prepare_abort(r3, 'handshake failed with exception ' + UNTRUSTED_PREFILL + ' cannot peer', "
+            "status_code=500); "
+            "print(*(int(r.finished_reason.status_code) for r in (r1, r2, r3)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["400", "500"]
+    assert out.stdout.split()[-3:] == ["400", "500", "403"]
 
 
 def test_plain_launch_server_accepts_the_backend_and_refuses_unsupported_layouts(tiny_model):
@@ -592,18 +598,35 @@ def test_with_keyrings_the_registry_carries_the_prefills_key_and_the_transfer_ve
         server.close()
 
 
-@pytest.mark.parametrize("decode_ring", ["stranger", None], ids=["key-not-trusted", "no-keyring"])
+@pytest.mark.parametrize("decode_ring", ["stranger", None, "unlisted"],
+                         ids=["key-not-trusted", "no-keyring", "not-in-trusted-prefills"])
 def test_a_prefill_the_decode_does_not_trust_fails_the_request_at_once_and_opens_nothing(monkeypatch, tmp_path,
                                                                                           tiny_model, decode_ring):
     """A decode whose keyring does not hold the prefill's key (or that has no keyring, so cannot check a
-    keyed address) fails the request at ``init`` with the reason, within a second: no wait for a timeout,
-    and no socket toward the prefill."""
+    keyed address; or, both open, whose KVXFER_TRUSTED_PREFILLS does not list the prefill's non-loopback
+    address) fails the request at ``init`` with the reason, within a second: no wait for a timeout,
+    and no socket toward the prefill. The reason carries kvxfer's untrusted-prefill mark, so the abort
+    SGLang's decode makes of it answers the client 403, not 500."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    from kvxfer.integrations.sglang import _admission_refusals_are_client_errors
+    from kvxfer.integrations.sglang.reasons import ADMISSION_REFUSED, UNTRUSTED_PREFILL
     from kvxfer.wire.auth import write_cluster
 
     write_cluster(tmp_path, ["prefill", "decode"])
     write_cluster(tmp_path / "other", ["stranger"])
-    ring = None if decode_ring is None else f"other/{decode_ring}"
-    server, prefill, decode = _keyed_ranks(monkeypatch, tmp_path, tiny_model, "prefill", ring)
+    prefill_ring, ring = "prefill", None if decode_ring is None else f"other/{decode_ring}"
+    if decode_ring == "unlisted":  # no keyrings: both ranks open on this host's address, the decode's list elsewhere
+        from kvxfer.wire.addresses import local_addresses
+
+        found = [address for address in local_addresses() if ":" not in address]
+        if not found:
+            pytest.skip("this host has no non-loopback IPv4 address")
+        for name, value in (("KVXFER_HOST", found[0]), ("KVXFER_ALLOW_OPEN_CONTROL", "1"),
+                            ("KVXFER_TRUSTED_PREFILLS", "198.18.0.0/15")):
+            monkeypatch.setenv(name, value)
+        prefill_ring = ring = None
+    server, prefill, decode = _keyed_ranks(monkeypatch, tmp_path, tiny_model, prefill_ring, ring)
     try:
         receiver = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.mgr, bootstrap_addr=decode.bootstrap_addr,
                                                                 bootstrap_room=77)
@@ -611,11 +634,19 @@ def test_a_prefill_the_decode_does_not_trust_fails_the_request_at_once_and_opens
         t0 = time.monotonic()
         receiver.init(prefill_dp_rank=0)
         assert receiver.poll() == KVPoll.Failed and time.monotonic() - t0 < 1.0
-        why = "not in this engine's keyring" if decode_ring else "give this engine a keyring"
+        why = {"stranger": "not in this engine's keyring", None: "give this engine a keyring",
+               "unlisted": "not in trusted_prefills"}[decode_ring]
         with pytest.raises(KVTransferError, match=why) as err:
             receiver.failure_exception()
         assert prefill.mgr.engine.address.split("#")[0] in str(err.value) or "127.0.0.1" in str(err.value)
         assert decode.mgr.engine.control.open_sockets() == 0 and not decode.mgr.engine.receiver.peers
+        assert UNTRUSTED_PREFILL in str(err.value) and ADMISSION_REFUSED not in str(err.value)
+        # SGLang's decode (disaggregation/decode.py, a Failed poll) aborts with this message and 500; the
+        # plugin's hook around prepare_abort turns it into 403 (applied by SGLang's loader in a server)
+        req = types.SimpleNamespace(return_logprob=False)
+        message = f"Decode handshake failed for request rank=0 req.rid='r' req.bootstrap_room=77 with exception {err.value}"
+        _admission_refusals_are_client_errors(prepare_abort, req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        assert req.finished_reason.status_code == HTTPStatus.FORBIDDEN and str(err.value) in req.finished_reason.message
     finally:
         decode.close()
         prefill.close()

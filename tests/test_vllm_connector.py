@@ -344,7 +344,7 @@ def test_the_connectors_trust_check_agrees_with_the_engines(settings, template):
     opening a socket (DecodeEngine.connect), and never lets through what the engine would refuse."""
     from kvxfer import DecodeEngine
     from kvxfer.errors import PeerError
-    from kvxfer.integrations.vllm.trust import refused_by_trust
+    from kvxfer.wire.trust import refused_by_trust
 
     rings = Keyring.cluster(["decode", "prefill"])
     config = dict(settings, keyring=rings["decode"] if settings.get("keyring") else None)

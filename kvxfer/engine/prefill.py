@@ -29,6 +29,9 @@ log = logging.getLogger("kvxfer.engine")
 HELLO_REFUSED = "peering refused by the prefill engine (its log says why)"
 CONNECT_THREADS = 4  # threads opening data connections for every peer
 CLOSE_THREADS = 4  # threads closing links the control thread retired (a close may wait for a stalled send)
+# a decode that asks to peer again this long after its HELLO was answered, never having offered a
+# connection, did not hear the answer (one that did offers at once)
+UNHEARD_S = 1.0
 RECEIVER_CLOSED = "the receiver"  # how a link's end reads when the decode closed its end (lanes' watcher)
 
 @dataclass
@@ -45,6 +48,7 @@ class _Peer:
     pending_offer: m.Offer | None = None  # the newest offer not yet taken by the connector
     connector: bool | None = None  # True while a connecting job (on the engine's pool) runs for this peer
     last_seen: float = 0.0
+    answered_at: float = 0.0  # when this peering's HELLO was answered
     alive: bool = True
     link_lost_at: float = 0.0  # when the decode closed its end of our link (forgotten unless heard from soon)
 
@@ -154,6 +158,7 @@ class PrefillEngine(EngineBase):
             max_context=self.config.max_context, geometry=self.layout.geometry,
         )
         self.control.send(msg.reply_to, ack)
+        now = time.monotonic()
         with self.lock:
             old = self.peers.get(identity)
             # A new peering starts afresh: epochs (the decode offers 1 again after a restart; the same
@@ -162,10 +167,12 @@ class PrefillEngine(EngineBase):
             # its generations from 1 again. Nothing of the old peering arrives after this HELLO: its
             # messages came on the same ordered socket before it, or on one that ended.
             peer = _Peer(engine=identity, control=msg.reply_to, session=msg.session, page_size=msg.page_size,
-                         geometry=msg.geometry, last_seen=time.monotonic())
+                         geometry=msg.geometry, last_seen=now, answered_at=now)
             self.peers[identity] = peer
             self._forgotten.pop(identity, None)
             self.sender.forget_peer(identity, "its decode started another peering (a new HELLO)")
+        if old is not None and old.epoch == 0 and old.link is None and now - old.answered_at >= UNHEARD_S:
+            self._reply_unheard(old, f"asked to peer again {now - old.answered_at:.1f} s later")
         if old is not None and old.control != peer.control:
             self._release_control(old.control)  # peering again from another address: the old socket goes
         if old is not None and old.link is not None:
@@ -185,6 +192,18 @@ class PrefillEngine(EngineBase):
             self._warn(log, f"reply/{identity[:64]}", "%s: HELLO from %r came from %s but asks for answers at %s, "
                        "which is that host's own loopback: it will not hear back (set its host or advertise_host "
                        "to an address this host reaches)", self.engine_id, identity[:200], source, reply_to[:200])
+
+    def _reply_unheard(self, peer: _Peer, what: str) -> None:
+        """A decode whose HELLO was answered but that never offered a connection after it (it asked again,
+        or went silent) most likely never got the answer: its advertised address does not reach it from
+        here. Said here because the control plane's dial there gives up without telling anyone."""
+        key = f"reply/{peer.engine[:64]}"
+        self._event("reply_unheard", counter="unheard_replies", limit_key=key, peer=peer.engine[:200],
+                    reply_to=peer.control[:200], what=what)
+        self._warn(log, key, "%s: decode %r %s without offering a connection after its HELLO was answered at "
+                   "%s: that address does not reach it from this host, if it is running (set its host or "
+                   "advertise_host to an address this host reaches)", self.engine_id, peer.engine[:200], what,
+                   peer.control[:200])
 
     def _refuse_hello(self, identity: str, msg: m.Hello, problem: str, *, may_reject: bool = False) -> None:
         """Refuse a peering. The details go to this engine's log only: the answer names neither this
@@ -425,6 +444,8 @@ class PrefillEngine(EngineBase):
         for peer in dead:
             self._event("dead_peer", counter="dead_peers", peer=peer.engine, silent_s=round(now - peer.last_seen, 3))
             self._warn(log, "dead", "%s: peer %s silent: dead", self.engine_id, peer.engine)
+            if peer.epoch == 0 and peer.link is None:
+                self._reply_unheard(peer, f"went silent for {now - peer.last_seen:.1f} s")
             if peer.link is not None:
                 self._close_later(peer.link)
         for peer in expired:

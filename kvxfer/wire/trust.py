@@ -120,3 +120,15 @@ class PeerAllowlist:
                "this decode has no keyring, so it connects only to loopback addresses and those "
                "trusted_prefills (KVXFER_TRUSTED_PREFILLS) names")
         raise PeerError(f"refusing to connect to prefill at {address[:200]}: {why}")
+
+
+# The engine's refusals (DecodeEngine._check_trusted, ControlPlane._open_dealer), all raised before a
+# socket is opened. PeerError has no reason code, so its sentence is what tells them from a prefill
+# that could not be reached.
+_TRUST_REFUSALS = ("refusing to connect to",)
+
+
+def refused_by_trust(exc: BaseException) -> bool:
+    """Whether ``exc`` (from :meth:`kvxfer.DecodeEngine.connect`) is the engine refusing an address it does
+    not trust, rather than a prefill it could not reach (the SGLang and vLLM adapters answer it 403)."""
+    return isinstance(exc, PeerError) and any(mark in str(exc) for mark in _TRUST_REFUSALS)

@@ -5,7 +5,8 @@
 process it spawns (schedulers, detokenizer, DP controller). It adds ``kvxfer`` to SGLang's backend
 enum and argument choices, routes ``get_kv_class`` to :mod:`.conn`'s classes, and registers two hooks
 through SGLang's hook registry: an abort whose reason is a kvxfer admission refusal (a prompt that
-can never fit, see :data:`ADMISSION_REFUSED`) answers the client with HTTP 400, not 500; and
+can never fit, see :data:`ADMISSION_REFUSED`) answers the client with HTTP 400, not 500, and one
+whose prefill the decode does not trust (:data:`UNTRUSTED_PREFILL`) with HTTP 403; and
 ``Scheduler.run_batch`` of a kvxfer prefill sends each layer's KV as the forward computes it
 (:mod:`.layerwise`; ``KVXFER_LAYERWISE=0`` turns it off). This module
 imports SGLang only when :func:`register` is called; :mod:`.conn` imports it at import time.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .reasons import ADMISSION_REFUSED
+from .reasons import ADMISSION_REFUSED, UNTRUSTED_PREFILL
 
 BACKEND = "kvxfer"
 TESTED_VERSIONS = ("0.5.23",)
@@ -30,10 +31,14 @@ _RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 def _admission_refusals_are_client_errors(original: Any, req: Any, error_message: str, status_code: Any = None) -> Any:
     """SGLang aborts every failed transfer with 500; a prompt kvxfer refused at admission (longer
-    than a pool can ever hold) is the client's to fix: 400, with kvxfer's reason in the message."""
-    if ADMISSION_REFUSED in str(error_message):
-        from http import HTTPStatus
+    than a pool can ever hold) is the client's to fix: 400, with kvxfer's reason in the message; a
+    request naming a prefill the decode does not trust (its bootstrap address is the client's or the
+    router's choice) is refused, not retried: 403, as the vLLM connector answers ``untrusted_prefill``."""
+    from http import HTTPStatus
 
+    if UNTRUSTED_PREFILL in str(error_message):
+        status_code = HTTPStatus.FORBIDDEN
+    elif ADMISSION_REFUSED in str(error_message):
         status_code = HTTPStatus.BAD_REQUEST
     return original(req, error_message, status_code=status_code)
 

@@ -51,7 +51,8 @@ The schedulers' contract, and how it is kept (SGLang 0.5.23's prefill.py and dec
   bootstrap timeout.
 * Trust: the decode's engine refuses, before opening anything, a prefill address it does not trust
   (with a keyring: one without a trusted key; without one: not loopback and not in
-  ``KVXFER_TRUSTED_PREFILLS``). The request then fails at ``init`` with that reason; it never waits.
+  ``KVXFER_TRUSTED_PREFILLS``). The request then fails at ``init`` with that reason, marked
+  :data:`~.reasons.UNTRUSTED_PREFILL` so the client gets HTTP 403 (the package's hook); it never waits.
 
 Refused at startup, naming the setting: DP attention or ``--dp-size`` above 1, context or pipeline
 parallelism, decode-side context parallelism, hybrid state buffers, the decode radix cache
@@ -87,8 +88,9 @@ from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import AdmissionRejected, InvalidArgument, KvxferError, PeerError, TransferFailed
+from ...wire.trust import refused_by_trust
 from .layout import pool_geometry
-from .reasons import ADMISSION_REFUSED
+from .reasons import ADMISSION_REFUSED, UNTRUSTED_PREFILL
 from .settings import engine_config
 
 log = logging.getLogger("kvxfer.sglang")
@@ -251,6 +253,7 @@ class KvxferKVManager(CommonKVManager):
         self.unsupported_prefill: dict[str, str] = {}
         self._prefill_ranks: dict[tuple[str, int], list[str]] = {}  # bootstrap address -> rank addresses
         self.peering_error: dict[tuple[str, int], str] = {}  # prefill rank -> why its last peering failed
+        self.untrusted_ranks: set[tuple[str, int]] = set()  # prefill ranks whose last peering trust refused
         try:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             # Common binds a PULL socket for its own messages; kvxfer's control plane replaces it.
@@ -370,8 +373,13 @@ class KvxferKVManager(CommonKVManager):
         except KvxferError as exc:
             log.warning("prefill rank %s:%s: %s", *key, exc)
             self.peering_error[key] = exc.detail
+            if refused_by_trust(exc):
+                self.untrusted_ranks.add(key)
+            else:
+                self.untrusted_ranks.discard(key)
             return None
         self.peering_error.pop(key, None)
+        self.untrusted_ranks.discard(key)
         self._peers[key] = peer
         return peer
 
@@ -390,6 +398,14 @@ class KvxferKVManager(CommonKVManager):
         except InvalidArgument as exc:
             return exc.detail
         return self.peering_error.get(key, "no answer")
+
+    def untrusted(self, info: dict[str, Any]) -> bool:
+        """Whether :meth:`connect_rank` returned None for ``info`` because this decode does not trust its
+        address (refused before anything was opened), not because it could not be reached."""
+        try:
+            return rank_key(info) in self.untrusted_ranks
+        except InvalidArgument:
+            return False
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """Common's handling (rooms failed, caches dropped), and the address re-resolved next time."""
@@ -691,7 +707,8 @@ class KvxferKVReceiver(CommonKVReceiver):
         for info in self._targets():
             if self.kv_mgr.connect_rank(info) is None:
                 why = self.kv_mgr.peering_problem(info)
-                self._refuse(f"cannot peer with the prefill's kvxfer engine at {rank_text(info)}: {why}",
+                mark = f"{UNTRUSTED_PREFILL} " if self.kv_mgr.untrusted(info) else ""  # answered 403
+                self._refuse(f"{mark}cannot peer with the prefill's kvxfer engine at {rank_text(info)}: {why}",
                              self._addresses())
                 return False
         return True

@@ -3,3 +3,6 @@ the package's ``register`` hook (which reads it), so that :mod:`.conn` needs not
 ``__init__``: the package imports :mod:`.conn` lazily, and neither imports the other back."""
 
 ADMISSION_REFUSED = "[kvxfer: refused at admission]"  # leads every failure reason of that kind
+# leads the failure reason of a request whose prefill this decode does not trust (its keyring or
+# KVXFER_TRUSTED_PREFILLS refused the address before opening anything): the client named it, so 403
+UNTRUSTED_PREFILL = "[kvxfer: untrusted prefill]"

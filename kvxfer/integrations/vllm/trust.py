@@ -21,7 +21,7 @@ from typing import Any
 
 from ...core.arguments import shown
 from ...engine.config import EngineConfig
-from ...errors import KvxferError, PeerError
+from ...errors import PeerError
 from ...wire.auth import Keyring
 from ...wire.trust import PeerAllowlist, key_problem
 from .outcomes import LoadFailure
@@ -72,13 +72,3 @@ def untrusted(address: str, why: str) -> LoadFailure:
                                        f"{shown(address[:200])}: {why}")
 
 
-# The engine's refusals (DecodeEngine._check_trusted, ControlPlane._open_dealer), all raised before a
-# socket is opened. PeerError has no reason code, so its sentence is what tells them from a prefill
-# that could not be reached.
-_TRUST_REFUSALS = ("refusing to connect to",)
-
-
-def refused_by_trust(exc: KvxferError) -> bool:
-    """Whether ``exc`` (from :meth:`kvxfer.DecodeEngine.connect`) is the engine refusing an address it does
-    not trust, rather than a prefill it could not reach."""
-    return isinstance(exc, PeerError) and any(mark in str(exc) for mark in _TRUST_REFUSALS)

@@ -42,9 +42,10 @@ from ...core.layout import KVLayout
 from ...core.lifecycle import ReceiverState, SenderState
 from ...engine import DecodeEngine, EngineConfig, PrefillEngine
 from ...errors import ConfigError, KvxferError
+from ...wire.trust import refused_by_trust
 from .outcomes import LoadFailure, classify
 from .scheduler import LoadJob, SendJob, StepJobs
-from .trust import PrefillTrust, refused_by_trust, untrusted
+from .trust import PrefillTrust, untrusted
 
 log = logging.getLogger("vllm.kvxfer.worker")
 R, S = ReceiverState, SenderState

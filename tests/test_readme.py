@@ -24,3 +24,14 @@ def test_readme_python_examples_run():
         if "torch CUDA tensors" in code:  # the GPU snippet needs a GPU's tensors
             continue
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_is_documentation_not_a_log():
+    """At most 400 lines (the benchmark log lives in docs/benchmarks.md), and no internal issue numbers or
+    diary phrases in the user documentation."""
+    assert len(README.splitlines()) <= 400, f"README.md has {len(README.splitlines())} lines"
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for pattern in (r"\bissue #?\d+", r"(?<![\w/])#\d{1,3}\b(?!-)", r"earlier the same day", r"for the record"):
+            found = re.search(pattern, text, re.I)
+            assert found is None, f"{path.name}: {found.group(0)!r}"

@@ -345,8 +345,9 @@ class KvxferKVManager(CommonKVManager):
         for address in addresses:
             try:
                 self.engine.refuse(room, address, reason=reason, detail=detail)
-            except KvxferError as exc:
-                log.warning("room %s: could not tell prefill %s that it is refused: %s", room, address, exc)
+            except KvxferError as exc:  # an untrusted prefill is told nothing, by design: no warning for it
+                level = logging.DEBUG if refused_by_trust(exc) else logging.WARNING
+                log.log(level, "room %s: could not tell prefill %s that it is refused: %s", room, address, exc)
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
         """PD retraction rebootstrap (the prefill recomputes a retracted request): not supported."""

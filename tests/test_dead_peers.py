@@ -59,6 +59,13 @@ def _one_request(prefill: PrefillEngine, decode: DecodeEngine, rid: str, pages: 
     return took
 
 
+def _spawn_node(role: str):
+    """An engine of ``role`` in a process of its own (so it can be frozen with SIGSTOP), laid out as
+    this module's in-process engines, with this module's heartbeat and peer_timeout."""
+    return spawn(NodeSpec(role=role, num_buffers=2, item_len=ITEM, num_pages=PAGES, page_size=16,
+                          config={"max_context": PAGES * 16, "heartbeat_interval": 0.2, "peer_timeout": PEER_TIMEOUT}))
+
+
 def test_a_frozen_decode_costs_another_decode_on_the_same_prefill_nothing():
     """Decode A freezes (SIGSTOP) with 16 MiB in flight, so the prefill's link to it blocks mid-send; the
     prefill gives up on A at peer_timeout and closes that link. Meanwhile decode B's requests through
@@ -72,9 +79,7 @@ def test_a_frozen_decode_costs_another_decode_on_the_same_prefill_nothing():
         healthy = DecodeEngine(_layout(), _config())
         engines.append(healthy)
         healthy.connect(prefill.address)
-        spec = NodeSpec(role="decode", num_buffers=2, item_len=ITEM, num_pages=PAGES, page_size=16,
-                        config={"max_context": PAGES * 16, "heartbeat_interval": 0.2, "peer_timeout": PEER_TIMEOUT})
-        frozen = spawn(spec)
+        frozen = _spawn_node("decode")
         frozen.call("connect", address=prefill.address)
         quiet = [_one_request(prefill, healthy, f"quiet-{i}") for i in range(8)]
         frozen_id = frozen.engine_id
@@ -152,9 +157,7 @@ def test_a_frozen_prefill_costs_another_prefill_on_the_same_decode_nothing():
         prefill = PrefillEngine(_layout(), _config())
         engines.append(prefill)
         decode.connect(prefill.address)
-        spec = NodeSpec(role="prefill", num_buffers=2, item_len=ITEM, num_pages=PAGES, page_size=16,
-                        config={"max_context": PAGES * 16, "heartbeat_interval": 0.2, "peer_timeout": PEER_TIMEOUT})
-        frozen = spawn(spec)
+        frozen = _spawn_node("prefill")
         frozen_id = decode.connect(frozen.control)
         quiet = [_one_request(prefill, decode, f"quiet-{i}") for i in range(8)]
         watch = _ControlThreadWatch(decode)

@@ -11,6 +11,7 @@ events, and the arguments a layer-wise caller can get wrong.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -165,13 +166,24 @@ def _geometry_layout(pages: int, page_size: int, layers: int, rank: int = 0, tp:
     return KVLayout.allocate(num_pages=pages, page_size=page_size, geometry=geometry)
 
 
-def test_send_layer_sends_a_layers_k_and_v_and_refuses_a_layer_the_layout_lacks(transport):
+@contextlib.contextmanager
+def _layered_pair(transport: str, layers: int):
+    """A prefill and a decode whose layouts have ``layers`` layers of K and V (64 pages of 16 tokens),
+    peered; yields (prefill, decode, the decode's peer id for the prefill), closes both checked."""
     config = EngineConfig(max_context=64 * 16, heartbeat_interval=0.2, transport=transport,
                           **({"peer_timeout": 60.0} if transport == "verbs" else {}))
-    prefill = PrefillEngine(_geometry_layout(64, 16, layers=3), config)
-    decode = DecodeEngine(_geometry_layout(64, 16, layers=3), config)
+    engines = []
     try:
-        peer = decode.connect(prefill.address)
+        engines.append(PrefillEngine(_geometry_layout(64, 16, layers=layers), config))
+        engines.append(DecodeEngine(_geometry_layout(64, 16, layers=layers), config))
+        prefill, decode = engines
+        yield prefill, decode, decode.connect(prefill.address)
+    finally:
+        close_checked(engines)
+
+
+def test_send_layer_sends_a_layers_k_and_v_and_refuses_a_layer_the_layout_lacks(transport):
+    with _layered_pair(transport, layers=3) as (prefill, decode, peer):
         prefill.admit("g", 100, peer=decode.engine_id)
         decode.admit("g", 100, peer=peer)
         prefill.wait_ready("g")
@@ -193,8 +205,6 @@ def test_send_layer_sends_a_layers_k_and_v_and_refuses_a_layer_the_layout_lacks(
                 assert np.array_equal(kv.buffer(b), prefill.layout.views()[b][src])
         decode.release("g")
         assert prefill.wait("g").state is S.SUCCEEDED
-    finally:
-        close_checked([prefill, decode])
 
 
 
@@ -331,12 +341,7 @@ def test_prefill_accounting_counts_sources_of_a_request_the_history_let_go(engin
 def test_send_layer_refuses_a_ready_that_is_not_an_event_at_the_call(transport):
     """send_layer() itself (not only send(buffers=...)) refuses a ready that is not an event before
     anything is posted, and the request goes on."""
-    config = EngineConfig(max_context=64 * 16, heartbeat_interval=0.2, transport=transport,
-                          **({"peer_timeout": 60.0} if transport == "verbs" else {}))
-    prefill = PrefillEngine(_geometry_layout(64, 16, layers=2), config)
-    decode = DecodeEngine(_geometry_layout(64, 16, layers=2), config)
-    try:
-        peer = decode.connect(prefill.address)
+    with _layered_pair(transport, layers=2) as (prefill, decode, peer):
         prefill.admit("g", 40, peer=decode.engine_id)
         decode.admit("g", 40, peer=peer)
         prefill.wait_ready("g")
@@ -350,8 +355,6 @@ def test_send_layer_refuses_a_ready_that_is_not_an_event_at_the_call(transport):
         assert decode.wait("g").state is R.READABLE
         decode.release("g")
         assert prefill.wait("g").state is S.SUCCEEDED
-    finally:
-        close_checked([prefill, decode])
 
 
 def test_prefill_accounting_fails_when_a_settled_request_still_holds_sources(engines, monkeypatch):

@@ -136,8 +136,9 @@ class StressResult:
     @property
     def injected_nothing(self) -> bool:
         """``--unsafe-legacy`` and no fault fired (request, link or net): the incident's leak could not happen."""
-        fired = sum(self.faults.values()) + sum((self.net.get("fired") or {}).values())
-        return self.config.unsafe_legacy and not fired
+        from .report import faults_fired
+
+        return self.config.unsafe_legacy and not faults_fired({"faults": self.faults, "net_faults": self.net})
 
     def topology(self) -> dict[str, Any]:
         cfg = self.config

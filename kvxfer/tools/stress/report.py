@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .result import StressResult
+from .result import StressResult, faults_fired
 
 
 def rate_text(bytes_per_s: float) -> str:
@@ -46,12 +46,6 @@ def outcome_text(s: dict[str, Any]) -> str:
     if s["rejected_unexpectedly"]:
         parts.append(f"{s['rejected_unexpectedly']} rejected unexpectedly")
     return f"{s['requests']} requests: " + "; ".join(parts) + "."
-
-
-def faults_fired(s: dict[str, Any]) -> int:
-    """Faults that fired in the run: the request and link faults, and two hosts' net faults."""
-    net = (s.get("net_faults") or {}).get("fired") or {}
-    return sum((s.get("faults") or {}).values()) + sum(net.values())
 
 
 def verdict_text(s: dict[str, Any]) -> str:

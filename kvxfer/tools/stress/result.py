@@ -38,6 +38,13 @@ def pool_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def faults_fired(s: dict[str, Any]) -> int:
+    """Faults that fired in a run (a summary's ``faults`` and ``net_faults``): the request and link faults,
+    and two hosts' net faults."""
+    net = (s.get("net_faults") or {}).get("fired") or {}
+    return sum((s.get("faults") or {}).values()) + sum(net.values())
+
+
 @dataclass
 class StressResult:
     """Everything a stress run counted and measured; :attr:`ok` is the verdict (no leak, no corruption, no lost
@@ -136,8 +143,6 @@ class StressResult:
     @property
     def injected_nothing(self) -> bool:
         """``--unsafe-legacy`` and no fault fired (request, link or net): the incident's leak could not happen."""
-        from .report import faults_fired
-
         return self.config.unsafe_legacy and not faults_fired({"faults": self.faults, "net_faults": self.net})
 
     def topology(self) -> dict[str, Any]:

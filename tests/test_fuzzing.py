@@ -42,6 +42,29 @@ def test_arbitrary_bytes_as_a_frame_stream(data):
     fuzzing.frame_stream(data)
 
 
+_NO_SURROGATES = st.characters(blacklist_categories=("Cs",))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=4096))
+def test_arbitrary_bytes_as_a_result_stream(data):
+    fuzzing.result_stream(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.text(_NO_SURROGATES, min_size=1, max_size=20), st.integers(0, 2**63)),
+                          st.integers(1, 2**64 - 1), st.booleans(), st.text(_NO_SURROGATES, max_size=300)),
+                min_size=1, max_size=8),
+       st.binary(max_size=64))
+def test_result_frames_then_anything_read_whole_and_in_pieces_alike(results, tail):
+    """Real RESULT frames followed by arbitrary bytes: the reader returns the same messages however the
+    stream is cut (the target's own check), and every whole frame before the tail is read."""
+    frames = [f.result_frame(m.Result(rid=rid, gen=gen, ok=ok, reason="" if ok else "x", detail=detail))
+              for rid, gen, ok, detail in results]
+    fuzzing.result_stream(b"".join(frames) + tail)
+    assert f.ResultReader().feed(b"".join(frames))[-1].gen == results[-1][1]
+
+
 U64 = 2**64
 ITEM = fuzzing.FUZZ_ITEM
 

@@ -235,7 +235,8 @@ def test_a_full_peer_table_makes_room_by_evicting_a_dead_peer(engines):
 def test_a_peer_that_never_answers_result_cannot_pin_the_sources(engines):
     pair = engines(result_timeout=0.5)
     decode_send = pair.decode.receiver._send
-    pair.decode.receiver._send = lambda peer, msg: None if isinstance(msg, m.Result) else decode_send(peer, msg)
+    pair.decode.receiver._send = lambda peer, msg, conn=None: (None if isinstance(msg, m.Result)
+                                                              else decode_send(peer, msg, conn))
     try:
         pair.prefill.admit("mute", 6 * PAGE_TOKENS, peer=pair.decode.engine_id)
         pair.decode.admit("mute", 6 * PAGE_TOKENS, peer=pair.peer)

@@ -160,8 +160,9 @@ def test_attacks_during_honest_traffic_change_no_outcome_and_leak_nothing(engine
         attackers.join()
         # mallory takes a KV and never answers RESULT: the prefill frees the sources after result_timeout
         pair.prefill.admit("taken", 2 * PAGE_TOKENS, peer=mallory.engine_id)
-        send = mallory.control.send  # mallory keeps heartbeating but never answers RESULT
+        send = mallory.control.send  # mallory keeps heartbeating but never answers RESULT, on either path
         mallory.control.send = lambda address, msg: None if msg.TYPE == "RESULT" else send(address, msg)
+        mallory.transport.answer = lambda conn, msg: True  # "sent" on the data connection: nothing is
         mallory.admit("taken", 2 * PAGE_TOKENS, peer=mallory_peer)
         pair.prefill.wait_ready("taken")
         pair.prefill.send("taken")

@@ -160,14 +160,18 @@ def test_result_leaves_after_the_decode_lets_go_of_its_lock(engines, size):
     verifier)."""
     pair = engines(fault_injection=False, prefill_pages=128, decode_pages=256)
     p, d = pair.prefill, pair.decode
-    deliver, under_lock = d.receiver._deliver, []
+    deliver, answer, under_lock = d.receiver._deliver, d.receiver._answer, []
 
     def watched(peer, msg):
         if isinstance(msg, m.Result):
             under_lock.append(d.lock._is_owned())
         deliver(peer, msg)
 
-    d.receiver._deliver = watched
+    def watched_answer(conn, msg):  # RESULT back on the data connection, where it takes it
+        under_lock.append(d.lock._is_owned())
+        return answer(conn, msg)
+
+    d.receiver._deliver, d.receiver._answer = watched, watched_answer
     tokens = PAGE_TOKENS if size == "small" else 120 * PAGE_TOKENS  # 360 KiB: past INLINE_VERIFY_BYTES
     for i in range(5):
         rid = f"{size}-{i}"

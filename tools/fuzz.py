@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "protocol" / "fuzz-corpus"
-TARGETS = ("messages", "frames")
+TARGETS = ("messages", "frames", "results")
 
 
 CHILD_ENV = "KVXFER_FUZZ_TARGET"  # set: this process is libFuzzer's (it may re-execute itself to merge)
@@ -54,7 +54,8 @@ def seed_corpus() -> None:
     for target in TARGETS:
         (CORPUS / target).mkdir(parents=True, exist_ok=True)
     for path in sorted((ROOT / "protocol" / "golden").glob("*.bin")):
-        target = "frames" if path.stem.startswith("FRAME_") else "messages"
+        target = ("results" if path.stem == "FRAME_RESULT" else "frames" if path.stem.startswith("FRAME_")
+                  else "messages")
         (CORPUS / target / f"golden-{path.stem}").write_bytes(path.read_bytes())
     page = fuzzing._fuzz_guard()._windows[fuzzing.FUZZ_GEN].pages[0]
     item = fuzzing.FUZZ_ITEM
@@ -66,6 +67,11 @@ def seed_corpus() -> None:
     verbs_done = m.encode(m.Done(rid="fuzz", gen=fuzzing.FUZZ_GEN, bytes=2 * item, pages=1, checksum=1,
                                  algo="adler32", runs=runs))
     (CORPUS / "messages" / "window-done-with-write-log").write_bytes(verbs_done)
+    ok = f.result_frame(m.Result(rid="fuzz", gen=fuzzing.FUZZ_GEN, ok=True, reason="", detail=""))
+    failed = f.result_frame(m.Result(rid=7, gen=8, ok=False, reason="coverage", detail="1 of 2 pages not written"))
+    (CORPUS / "results" / "two-results").write_bytes(ok + failed)
+    (CORPUS / "results" / "result-then-ordered").write_bytes(ok + ordered)
+    (CORPUS / "results" / "result-cut-short").write_bytes(ok + failed[:40])
     print(f"seed corpus written under {CORPUS.relative_to(ROOT)}")
 
 

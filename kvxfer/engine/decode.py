@@ -57,6 +57,7 @@ class DecodeEngine(EngineBase):
             drain_timeout=config.drain_timeout,
             grant=lambda conn, gen, pages: self.transport.grant(conn, gen, pages),
             revoke=lambda conn, gen: self.transport.revoke(conn, gen),
+            answer=lambda conn, msg: self.transport.answer(conn, msg),
             **self._role_settings(),
         )
         self.receiver.guard.on_refused = self._write_refused

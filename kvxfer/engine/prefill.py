@@ -126,6 +126,15 @@ class PrefillEngine(EngineBase):
         else:
             raise ProtocolError(f"{msg.TYPE} is not a message a prefill engine accepts")
 
+    def _on_data_message(self, identity: str, msg: m.Message) -> None:
+        """A RESULT the decode sent back on its data connection (the transport's thread): the same
+        rules as one from the control plane; the connection was authenticated by its CONNECT proof."""
+        if not isinstance(msg, m.Result):  # the transport lets nothing else through; kept as the rule
+            raise ProtocolError(f"{msg.TYPE} may not travel back on a data connection")
+        with self.sender.lock:
+            self.sender.stats["results_on_data"] += 1
+        self.sender.on_result(identity, msg)
+
     def _on_hello(self, identity: str, msg: m.Hello) -> None:
         self._check_reply_address(identity, msg.reply_to)
         problem = ""
@@ -353,7 +362,8 @@ class PrefillEngine(EngineBase):
         request = LinkRequest(engine=self.engine_id, peer=peer.engine, epoch=msg.epoch, proof=proof,
                               blob=msg.blob, on_closed=self._on_link_closed,
                               send_control=lambda out, name=peer.engine: self._send_to_peer(name, out),
-                              faults=self.faults)
+                              faults=self.faults,
+                              on_message=lambda msg, name=peer.engine: self._on_data_message(name, msg))
         try:
             link = self.transport.connect(request)
         except (TransportError, ProtocolError) as exc:

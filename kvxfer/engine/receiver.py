@@ -231,6 +231,7 @@ class Receiver:
         warn: Callable[..., None] | None = None,
         grant: Callable[[Any, int, np.ndarray], bytes] | None = None,
         revoke: Callable[[Any, int], None] | None = None,
+        answer: Callable[[Any, m.Message], bool] | None = None,
     ) -> None:
         if not 0 < max_inflight <= MAX_SLOTS:
             raise ValueError(f"max_inflight must be in 1..{MAX_SLOTS}")
@@ -244,9 +245,12 @@ class Receiver:
         self.lock = lock or threading.RLock()
         self.guard = WriteGuard(self.layout, self.ledger, self.lock)
         self._deliver = send or (lambda peer, msg: None)
+        # a RESULT sent back on the data connection its DONE came on (ReceiverBackend.answer): True when
+        # the connection took it, False when it goes on the control plane
+        self._answer = answer or (lambda conn, msg: False)
         # messages to peers held while a verification holds the lock (RESULT): sent once it is released,
         # so the consumer woken by READABLE does not wait for their encoding and queueing
-        self._outbox: list[tuple[str, m.Message]] | None = None
+        self._outbox: list[tuple[str, m.Message, Any]] | None = None
         self._request_fence = request_fence or (lambda conn, reason: None)
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
@@ -493,18 +497,25 @@ class Receiver:
         return req.error
 
     # messages from the ordered data path ------------------------------------------------------------
-    def _send(self, peer: str, msg: m.Message) -> None:
-        """A message to ``peer``: at once, or (inside :meth:`_sends_after_lock`) when the lock is released."""
+    def _send(self, peer: str, msg: m.Message, conn: Any = None) -> None:
+        """A message to ``peer``: at once, or (inside :meth:`_sends_after_lock`) when the lock is released.
+        With ``conn`` (a RESULT), on that data connection where it takes it, else on the control plane."""
         if self._outbox is not None:
-            self._outbox.append((peer, msg))
+            self._outbox.append((peer, msg, conn))
         else:
-            self._deliver(peer, msg)
+            self._send_now(peer, msg, conn)
+
+    def _send_now(self, peer: str, msg: m.Message, conn: Any) -> None:
+        if conn is not None and self._answer(conn, msg):
+            self.stats["results_on_data"] += 1
+            return
+        self._deliver(peer, msg)
 
     @contextmanager
     def _sends_after_lock(self) -> Iterator[None]:
         """Hold the lock; the messages sent meanwhile go out, in order, once it is released (the
         waiters :attr:`changed` woke get the lock first). Nested uses share the outermost's outbox."""
-        held: list[tuple[str, m.Message]] | None = None
+        held: list[tuple[str, m.Message, Any]] | None = None
         try:
             with self.lock:
                 outer = self._outbox is None
@@ -516,8 +527,8 @@ class Receiver:
                     if outer:
                         held, self._outbox = self._outbox, None
         finally:
-            for peer, msg in held or ():
-                self._deliver(peer, msg)
+            for peer, msg, conn in held or ():
+                self._send_now(peer, msg, conn)
 
     def on_ordered(self, conn: Any, msg: m.Message) -> None:
         """A DONE / DRAIN_ACK / REJECT / ABORT that arrived behind the writer's writes on ``conn``."""
@@ -642,7 +653,8 @@ class Receiver:
             req.fsm.to(R.FAILED, exc.check)
             self._finish(req, release_from=(PageState.RESERVED, PageState.WRITTEN))
             for leg in writing:
-                self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=exc.check, detail=str(exc)))
+                self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=exc.check, detail=str(exc)),
+                           leg.conn)
             return
         if self.unsafe_legacy:
             # Legacy behaviour: readable whatever landed (the incident's decode side).
@@ -654,7 +666,7 @@ class Receiver:
         req.readable_at = time.monotonic()
         self.stats["completed"] += 1
         for leg in writing:
-            self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=True, reason="", detail=""))
+            self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=True, reason="", detail=""), leg.conn)
         if req.abort_after_verify is not None:
             reason = req.abort_after_verify
             req.error = TransferAborted(reason, reason="aborted", rid=req.rid, generation=req.gen)
@@ -736,7 +748,7 @@ class Receiver:
             if leg.state is LegState.CLAIMED:
                 self._send(leg.peer, m.Result(rid=req.rid, gen=leg.gen, ok=False, reason=reason,
                                               detail=f"request failed before every writer's DONE arrived: "
-                                                     f"{detail}"[:4000]))
+                                                     f"{detail}"[:4000]), leg.conn)
 
     def _quarantine(self, req: ReceiveRequest, reason: str, *, failure: bool) -> None:
         """RESERVED -> QUARANTINED: every leg still open is stopped (its window closed, its writer asked

@@ -132,6 +132,14 @@ class ReceiverBackend(abc.ABC):
         fabric's own checks. Called before the request's pages are freed or reused; idempotent; never
         raises (a fabric that cannot revoke cleanly stops the whole connection instead)."""
 
+    def answer(self, conn: ConnId, msg: Any) -> bool:
+        """Send ``msg`` (a RESULT) to the writer on data connection ``conn`` itself, without waiting:
+        True when it was handed to the connection whole, False when the caller must send it on the
+        control plane instead (the fabric cannot, the connection is ending, or its writer is not
+        reading fast enough). Called from the engine's threads, maybe under the engine lock: it never
+        waits and never calls back into the engine."""
+        return False
+
     def sync(self, conn: ConnId, gen: int | None = None) -> None:  # noqa: B027 - optional
         """Before an ordered message from the control plane is acted on: make sure everything the
         fabric already completed for ``conn`` reached the guard (``ordered_via_control`` only)."""
@@ -171,6 +179,9 @@ class LinkRequest:
     on_closed: Callable[[SenderLink, str], None]
     send_control: Callable[[Any], None]  # send a control message to the peer (ordered_via_control)
     faults: Any = None  # a FaultInjector (tests and ``kvxfer stress`` only)
+    # a message the receiver sent back on the data connection (RESULT, where the fabric carries it:
+    # ReceiverBackend.answer), delivered from the transport's own thread
+    on_message: Callable[[Any], None] | None = None
 
 
 class SenderLink(abc.ABC):

@@ -9,6 +9,9 @@ queue. A link with a timed wake-up (a late frame held by fault injection) is wok
 With ``watch`` (links over sockets), one watcher thread polls the sockets of every watched link for the receiver closing its end (EOF or
 a reset: the decode's engine or process is gone, or it fenced the connection) and tells the link at
 once (:meth:`Served.peer_closed`), so a dead peer's link ends without waiting for a write to fail.
+The same thread reads what a receiver sends back on the connection (RESULT frames): a link that
+takes them provides ``readable()``, which reads without blocking and says why the link must end, if
+it must.
 
 A lane blocked on one link's socket (a receiver that stopped reading) holds that lane until the link
 is closed (the peer declared dead, the link closed: a closer shuts the socket down, which unblocks
@@ -92,6 +95,12 @@ class SendLanes:
         self._closed = False
         self._selector = selectors.DefaultSelector()
         self._watch_lock = threading.Lock()
+        # always watched, so the watcher blocks in select() from the start: a socket registered meanwhile
+        # is watched at once (a RESULT on a fresh connection waits for no polling interval)
+        self._wake_r, self._wake_w = socket.socketpair() if watch else (None, None)
+        if self._wake_r is not None:
+            self._wake_r.setblocking(False)
+            self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._threads = [threading.Thread(target=self._lane, name=f"kvxfer-{name}-send-{i}", daemon=True)
                          for i in range(threads)]
         self._watcher = (threading.Thread(target=self._watch_loop, name=f"kvxfer-{name}-watch", daemon=True)
@@ -168,18 +177,20 @@ class SendLanes:
 
     def _watch_loop(self) -> None:
         while not self._closed:
-            with self._watch_lock:
-                empty = not self._selector.get_map()
-            if empty:
-                time.sleep(0.05)
-                continue
             try:
-                events = self._selector.select(0.05)
+                events = self._selector.select(0.5)
             except (OSError, ValueError):
                 time.sleep(0.01)
                 continue
             for key, _ in events:
-                reason = self._closed_reason(key.fileobj)
+                if key.data is None:  # close() woke the watcher
+                    continue
+                readable = getattr(key.data, "readable", None)
+                try:
+                    reason = readable() if readable is not None else self._closed_reason(key.fileobj)
+                except Exception as exc:  # a link's reader failing ends that link only
+                    log.exception("%s: reading a data connection failed", self.name)
+                    reason = f"reading the connection failed: {exc}"
                 if reason is None:
                     continue
                 self.unwatch(key.fileobj)
@@ -190,8 +201,8 @@ class SendLanes:
 
     @staticmethod
     def _closed_reason(sock: Any) -> str | None:
-        """Why a readable sending socket is readable: the receiver closed it (the receiver never sends on
-        a data connection), or None if there is nothing (a spurious wake-up)."""
+        """Why a readable sending socket of a link that takes nothing back is readable: the receiver
+        closed it, or sent bytes it may not send; None if there is nothing (a spurious wake-up)."""
         try:
             data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -209,6 +220,11 @@ class SendLanes:
                 return
             self._closed = True
             self._cond.notify_all()
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=10)
@@ -216,6 +232,9 @@ class SendLanes:
             self._watcher.join(timeout=5)
         with self._watch_lock:
             self._selector.close()
+        for end in (self._wake_r, self._wake_w):
+            if end is not None:
+                end.close()
 
     @property
     def threads(self) -> int:

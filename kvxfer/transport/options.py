@@ -35,6 +35,9 @@ class TcpOptions:
     # posts it, never waiting for the socket (what it does not take at once goes on a sending thread);
     # off: every send goes through the sending threads
     inline_send: bool = field(default=True, metadata={"env": "KVXFER_TCP_INLINE_SEND"})
+    # the decode sends a request's RESULT back on the data connection its DONE came on (no hop through
+    # either control plane's threads); off, or while a writer leaves them unread: on the control plane
+    answer_on_data: bool = field(default=True, metadata={"env": "KVXFER_TCP_ANSWER_ON_DATA"})
 
     def __post_init__(self) -> None:
         _check_threads("tcp", self.send_threads)

@@ -45,9 +45,11 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import fcntl
 import logging
 import selectors
 import socket
+import termios
 import threading
 import time
 from collections import deque
@@ -153,6 +155,18 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+ANSWER_BACKLOG = 64 << 10  # RESULT bytes a writer may leave unread before answers go on the control plane
+
+
+def _send_queue_bytes(sock: socket.socket) -> int:
+    """Bytes in ``sock``'s send queue not yet taken by the peer (Linux SIOCOUTQ; 0 where unknown)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int.from_bytes(raw, "little", signed=True)
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock`` or raise ConnectionError on EOF."""
     got = 0
@@ -223,6 +237,7 @@ class _Inbound:
     header: f.FrameHeader | None = None  # HANDSHAKE: the CONNECT header, once all of it arrived
     got: bytearray = field(default_factory=bytearray)  # HANDSHAKE: bytes of the header or body so far
     scratch: memoryview | None = None  # OPEN: refused payloads are read through it (made on first refusal)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)  # RESULT frames sent back (answer)
 
 
 _LISTENER = object()  # selector keys of the accept thread that are not connections
@@ -275,8 +290,14 @@ class TcpReceiver(ReceiverBackend):
         max_connections: int = 256,
         connect_timeout: float = 5.0,
         max_ordered_body: int = 2 << 20,
+        answer_on_data: bool = True,
     ) -> None:
         from ..core.checksum import ChecksumAlgo, native_id
+
+        # RESULT goes back on the connection its DONE came on (answer), not through the control plane
+        self.answer_on_data = answer_on_data
+        self.answers_sent = 0  # RESULT frames handed to a data connection
+        self.answers_declined = 0  # ... left to the control plane: the writer was not reading them
 
         self.layout = layout
         self.guard = guard
@@ -589,7 +610,8 @@ class TcpReceiver(ReceiverBackend):
                         staging.drain()  # every earlier write is in the pages before this is acted on
                     self._on_ordered(inbound.conn_id, msg)
                 else:
-                    raise ProtocolError("second CONNECT on one connection")
+                    raise ProtocolError(f"{header.kind.name} frame on an open connection (CONNECT comes once, "
+                                        f"RESULT travels receiver -> writer only)")
         except ProtocolError as exc:
             self.protocol_errors += 1
             reason = f"protocol error: {exc}"
@@ -699,6 +721,7 @@ class TcpReceiver(ReceiverBackend):
                 "payload_seconds": self.payload_seconds, "busy_seconds": self.busy_seconds,
                 "live_connections": live, "pending_connections": pending,
                 "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
+                "answers_sent": self.answers_sent, "answers_declined": self.answers_declined,
                 "accept_errors": self.accept_errors}
 
     def fence(self, conn_id: Any) -> bool:
@@ -722,6 +745,44 @@ class TcpReceiver(ReceiverBackend):
     def connections(self) -> list[Any]:
         with self._lock:
             return list(self._conns)
+
+    def answer(self, conn_id: Any, msg: m.Message) -> bool:
+        """Send RESULT ``msg`` back on data connection ``conn_id`` without waiting (SPEC §3.0.1, RESULT
+        frames): False, sending nothing, when the connection is not open, the frame would be too long,
+        or the writer leaves more than :data:`ANSWER_BACKLOG` bytes unread (the caller then uses the
+        control plane). A send the kernel took only in part would leave the stream out of sync: the
+        connection is then shut down (it ends as any broken connection does) and False returned."""
+        if not self.answer_on_data:
+            return False
+        with self._lock:
+            inbound = self._conns.get(conn_id)
+            if inbound is None or inbound.state is not _ConnState.OPEN:
+                return False
+        try:
+            frame = f.result_frame(msg)
+        except ProtocolError:
+            return False
+        with inbound.send_lock:
+            try:
+                if _send_queue_bytes(inbound.sock) + len(frame) > ANSWER_BACKLOG:
+                    self.answers_declined += 1
+                    return False
+                sent = inbound.sock.send(frame, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                self.answers_declined += 1
+                return False
+            except OSError:  # the connection is ending: its end is reported as usual
+                return False
+            if sent != len(frame):
+                log.warning("data connection %s: the kernel took %d of a RESULT frame's %d bytes; the connection "
+                            "is shut down (its stream is out of sync)", conn_id, sent, len(frame))
+                try:
+                    inbound.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return False
+            self.answers_sent += 1
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -808,8 +869,13 @@ class TcpLink(FrameLink):
         checksum: Any = None,
         staging: str | None = None,
         inline_send: bool = True,
+        on_message: Callable[[m.Message], None] | None = None,
     ) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
+        # RESULT frames the receiver sends back on this connection (read by the lanes' watcher)
+        self._on_message = on_message
+        self._results = f.ResultReader()
+        self.results_received = 0
         # a small request (one batch that leaves with its DONE) posted on an idle link leaves from the
         # posting thread (unhold): no lane's wake-up, and no wait for the interpreter while the caller
         # goes on with Python work (a serving engine's scheduler)
@@ -852,6 +918,30 @@ class TcpLink(FrameLink):
         with self._cond:
             self._lost = reason
             self._kick()
+
+    def readable(self) -> str | None:
+        """On the lanes' watcher: read what the receiver sent without blocking and deliver each whole
+        RESULT frame; why the link must end (the receiver closed its end, or sent anything but RESULT
+        frames), or None."""
+        try:
+            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            return f"the receiver's end failed: {exc}"
+        if not data:
+            return "the receiver closed the connection"
+        if self._on_message is None:
+            return "the receiver sent bytes on a data connection that takes no RESULT frames"
+        for msg in self._results.feed(data):  # the whole frames before any malformed one count
+            self.results_received += 1
+            try:
+                self._on_message(msg)
+            except Exception:  # the engine reports its own failures; the connection is fine
+                log.exception("data connection to %s: handling %s", self.address, msg.TYPE)
+        if self._results.error is not None:
+            return f"the receiver sent a malformed frame: {self._results.error}"
+        return None
 
     def _claim_inline(self) -> tuple[WriteJob, OrderedJob] | None:
         """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
@@ -1190,7 +1280,8 @@ class TcpTransport(SenderTransport):
         address = decode_offer(request.blob)
         connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
         return TcpLink(self.layout, address, connect=connect, on_closed=request.on_closed, faults=request.faults,
-                       checksum=self.checksum, staging=self.staging, lanes=self.lanes, inline_send=self.inline_send)
+                       checksum=self.checksum, staging=self.staging, lanes=self.lanes, inline_send=self.inline_send,
+                       on_message=request.on_message)
 
     def close(self) -> None:
         self.lanes.close()
@@ -1209,7 +1300,7 @@ def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverH
                        on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, on_event=hooks.on_event,
                        checksum=config.checksum, staging=_options(config).staging,
                        max_connections=config.max_data_connections, connect_timeout=config.connect_timeout,
-                       max_ordered_body=config.max_ordered_body)
+                       max_ordered_body=config.max_ordered_body, answer_on_data=_options(config).answer_on_data)
 
 
 def _sender(layout: KVLayout, config: Any) -> TcpTransport:

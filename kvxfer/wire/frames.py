@@ -10,6 +10,10 @@ A frame is a fixed 32-byte header, a body and, for WRITE, a payload (``protocol/
 * ``ORDERED`` (kind 3): body is a msgpack control message (DONE, DRAIN_ACK, REJECT, ABORT) that
   must be acted on only after every earlier frame on the connection; the header's tag repeats the
   message's generation and slot.
+* ``RESULT``  (kind 4): receiver -> writer, the only frame that travels that way: body is a msgpack
+  RESULT message (at most :data:`RESULT_BODY_MAX` bytes), the header's generation repeats its ``gen``
+  and its slot is 0. The receiver answers a verification on the connection the request's DONE came
+  on, when it can without waiting (else on the control plane, as every other transport does).
 
 All integers are little-endian. The parser checks every field and its limits and raises
 :class:`~kvxfer.errors.ProtocolError`; a stream that produced one is out of sync and gets fenced.
@@ -48,6 +52,7 @@ class FrameKind(enum.IntEnum):
     CONNECT = 1
     WRITE = 2
     ORDERED = 3
+    RESULT = 4
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,9 @@ class FrameHeader:
         )
 
 
-def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+def parse_header(data: bytes | bytearray | memoryview, *, toward_writer: bool = False) -> FrameHeader:
+    """Parse and check a frame header. A receiver reads CONNECT, WRITE and ORDERED frames; a writer
+    (``toward_writer``) reads RESULT frames only."""
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")
     magic, version, kind, slot, gen, count, body_len, payload_len = HEADER.unpack(data)
@@ -87,6 +94,9 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         kind = FrameKind(kind)
     except ValueError:
         raise ProtocolError(f"unknown frame kind {kind}") from None
+    if (kind is FrameKind.RESULT) != toward_writer:
+        raise ProtocolError("a RESULT frame travels receiver -> writer only" if toward_writer is False
+                            else f"the receiver sent a {kind.name} frame (only RESULT travels that way)")
     if kind is FrameKind.WRITE:
         if not 1 <= count <= MAX_RUNS:
             raise ProtocolError(f"WRITE frame with {count} runs (allowed 1..{MAX_RUNS})")
@@ -150,6 +160,73 @@ CONNECT_BODY_MAX = 32 << 10  # a CONNECT holds an engine id (at most 4096 charac
 
 def message_frame(kind: FrameKind, body: bytes, *, slot: int = 0, generation: int = 0) -> bytes:
     return FrameHeader(kind, slot, generation, 0, len(body), 0).pack() + body
+
+
+RESULT_BODY_MAX = 16 << 10  # a RESULT's detail is a short text; a longer answer goes on the control plane
+
+
+def result_frame(msg: Any) -> bytes:
+    """The RESULT frame of ``msg`` (a :class:`~kvxfer.wire.messages.Result`); ProtocolError when its body
+    is over :data:`RESULT_BODY_MAX` (the caller answers on the control plane instead)."""
+    from .messages import Result, encode
+
+    if not isinstance(msg, Result):
+        raise ProtocolError(f"only RESULT travels receiver -> writer on a data connection, not {msg.TYPE}")
+    body = encode(msg)
+    if len(body) > RESULT_BODY_MAX:
+        raise ProtocolError(f"RESULT of {len(body)} bytes exceeds a RESULT frame's {RESULT_BODY_MAX}")
+    return message_frame(FrameKind.RESULT, body, generation=msg.gen)
+
+
+class ResultReader:
+    """The writer's parser of what its receiver sends back on a data connection: whole RESULT frames
+    out of a byte stream that arrives in arbitrary pieces. :meth:`feed` returns the RESULT messages
+    completed so far and keeps a partial frame for the next call. Anything else (another frame kind, a
+    slot, an over-long body, a body that is not a RESULT for the header's generation) puts the reader
+    in :attr:`error`: the stream is out of sync and the connection ends. The messages before it are
+    still returned, so how the bytes were cut never changes what is read."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.error: ProtocolError | None = None
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame not yet complete."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
+        if self.error is not None:
+            raise self.error
+        self._buf += data
+        out: list[Any] = []
+        try:
+            while len(self._buf) >= HEADER_SIZE:
+                msg = self._next()
+                if msg is None:
+                    break
+                out.append(msg)
+        except ProtocolError as exc:
+            self.error = exc
+        return out
+
+    def _next(self) -> Any:
+        from .messages import Result, decode
+
+        header = parse_header(bytes(self._buf[:HEADER_SIZE]), toward_writer=True)
+        if header.slot or header.body_len > RESULT_BODY_MAX:
+            raise ProtocolError(f"RESULT frame with slot {header.slot} and a body of {header.body_len} bytes "
+                                f"(slot 0, at most {RESULT_BODY_MAX} bytes)")
+        end = HEADER_SIZE + header.body_len
+        if len(self._buf) < end:
+            return None
+        msg = decode(bytes(self._buf[HEADER_SIZE:end]))
+        del self._buf[:end]
+        if not isinstance(msg, Result):
+            raise ProtocolError(f"a RESULT frame carries {msg.TYPE}")
+        if msg.gen != header.generation:
+            raise ProtocolError(f"RESULT frame tagged generation {header.generation} carries generation {msg.gen}")
+        return msg
 
 
 def parse_write_log(data: bytes) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Fuzz targets: every decoder a peer's bytes reach, driven with arbitrary input.
 
-Two targets, shared by the coverage-guided fuzzer (``tools/fuzz.py``, atheris/libFuzzer), the
+Three targets, shared by the coverage-guided fuzzer (``tools/fuzz.py``, atheris/libFuzzer), the
 hypothesis tests and the corpus replay test:
 
 * :func:`control_message`: one control message as it arrives on the control plane
@@ -8,7 +8,9 @@ hypothesis tests and the corpus replay test:
 * :func:`frame_stream`: a data-plane byte stream as the tcp receiver consumes it: frame headers,
   WRITE run tables checked by a real :class:`~kvxfer.core.writeguard.WriteGuard` against a real ledger
   with a write window open (its C check where built, then held to the Python rules), ORDERED and
-  CONNECT message bodies.
+  CONNECT message bodies;
+* :func:`result_stream`: what a writer reads back on its data connection (RESULT frames), through
+  :class:`~kvxfer.wire.frames.ResultReader`, whole and in pieces (both must read the same messages).
 
 The contract under test: malformed input raises :class:`~kvxfer.errors.ProtocolError`, a write the
 guard refuses raises :class:`~kvxfer.errors.WriteRefused`, and nothing else escapes. A target
@@ -16,6 +18,8 @@ returns normally for input that is fine; any other exception is a bug.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +80,37 @@ def frame_stream(data: bytes) -> None:
             pos += header.payload_len  # the receiver discards the payload and carries on
 
 
+def result_stream(data: bytes) -> None:
+    whole = _read_results(data, [len(data)])
+    # the same bytes in pieces (sizes from the input itself) must read the same messages
+    sizes = [1 + (b % 37) for b in data[:64]] or [1]
+    pieces = _read_results(data, sizes)
+    if whole != pieces:
+        raise AssertionError(f"RESULT frames read whole ({whole!r}) and in pieces ({pieces!r}) differ")
+
+
+def _read_results(data: bytes, sizes: list[int]) -> Any:
+    reader = f.ResultReader()
+    out: list[m.Message] = []
+    pos, i = 0, 0
+    while pos < len(data) and reader.error is None:
+        size = sizes[i % len(sizes)]
+        out += reader.feed(data[pos : pos + size])
+        pos, i = pos + size, i + 1
+    for msg in out:
+        if not isinstance(msg, m.Result):
+            raise AssertionError(f"the RESULT reader let {msg.TYPE} through")
+    if reader.error is not None:
+        try:
+            reader.feed(b"")
+        except ProtocolError:
+            pass
+        else:
+            raise AssertionError("a reader out of sync read on")
+        return ("refused", [msg.encode() for msg in out])
+    return ("read", [msg.encode() for msg in out], reader.pending)
+
+
 def _check_runs_with_guard(runs: np.ndarray, *, conn: str, slot: int, gen: int) -> None:
     guard = _fuzz_guard()
     try:
@@ -115,4 +150,4 @@ def _fuzz_guard():  # one small real guard with one window open, built once per 
     return _guard
 
 
-TARGETS = {"messages": control_message, "frames": frame_stream}
+TARGETS = {"messages": control_message, "frames": frame_stream, "results": result_stream}

@@ -26,7 +26,8 @@ from ..core.arguments import MAX_RID_STR, U64
 from ..core.geometry import KVGeometry
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 4: HELLO/HELLO_ACK.geometry and META.heads (unequal TP and page sizes);
+PROTOCOL_VERSION = 5  # 5: RESULT frames back on a tcp data connection (a writer reads them);
+# 4: HELLO/HELLO_ACK.geometry and META.heads (unequal TP and page sizes);
 # 3: META.access (per-request memory windows); 2: OFFER/ACCEPT carry each transport's handshake
 # (1 had VERBS_INFO/VERBS_CONNECT)
 MAX_BLOB = 1 << 20
@@ -470,7 +471,8 @@ class Result(Message):
     """RESULT (receiver -> writer): the outcome of verifying gen."""
 
     TYPE: ClassVar[str] = "RESULT"
-    DOC: ClassVar[str] = "receiver -> writer, control. The outcome of verifying gen."
+    DOC: ClassVar[str] = ("receiver -> writer, control, or on the data connection DONE came on (tcp: a RESULT "
+                          "frame, SPEC §3.0.1). The outcome of verifying gen.")
     rid: Rid = _f(RID, "request id")
     gen: int = _f(UINT, "request generation")
     ok: bool = _f(BOOL, "verified and readable")

@@ -260,6 +260,8 @@ def test_bench_small_requests_reports_send_and_admit_latency_per_size(tmp_path):
         assert k["from"] == "admit-to-READABLE"
         # the consumer's wait() returns after READABLE was stamped, never before
         assert k["send_p50_s"] <= k["noticed_p50_s"] <= k["noticed_p99_s"]
+        # the prefill's wait() returns once the decode's RESULT arrived, after the decode verified
+        assert k["send_p50_s"] <= k["succeeded_p50_s"] <= k["succeeded_p99_s"]
         # the same requests with every send from a sending thread (inline_send off), in the same rounds
         lanes = r["kvxfer-tcp-lanes"]
         assert lanes["requests"] == 200 and 0 < lanes["send_p50_s"] <= lanes["send_p99_s"], lanes

@@ -85,17 +85,21 @@ def receive_loop(engine: Any, peer: str | None, requests: list[tuple[str, int]],
 
 def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int, *, busy_ms: float = 0.0) -> dict[str, Any]:
     """The prefill half; ``posted_at``: each request's ``time.monotonic()`` as its send() was called (the
-    moment the data path takes over: a driver pairs it with the decode's ``readable_at``). ``busy_ms``:
+    moment the data path takes over: a driver pairs it with the decode's ``readable_at``);
+    ``finished_at``: as each wait() returned, in the order waited (with one request in flight and no
+    ``busy_ms``, request i's RESULT taken: its sources free). ``busy_ms``:
     after each send() the loop computes in Python for that long, holding the interpreter as a serving
     engine's scheduler does while it prepares the next batch (a sending thread waits for it meanwhile)."""
     pending: collections.deque[str] = collections.deque()
     failed = 0
     posted_at: list[float] = []
+    finished_at: list[float] = []
     start = time.perf_counter()
     for rid, tokens in requests:
         while len(pending) >= concurrency:
             try:
                 engine.wait(pending.popleft(), timeout=600)
+                finished_at.append(time.monotonic())
             except KvxferError:
                 failed += 1
         _admit(engine.admit, rid, tokens)
@@ -108,8 +112,10 @@ def send_loop(engine: Any, requests: list[tuple[str, int]], concurrency: int, *,
     while pending:
         try:
             engine.wait(pending.popleft(), timeout=600)
+            finished_at.append(time.monotonic())
         except KvxferError:
             failed += 1
     links = [p.link for p in engine.peers.values() if p.link is not None]
     post_rate = max((link.post_rate() for link in links if hasattr(link, "post_rate")), default=0.0)
-    return {"seconds": time.perf_counter() - start, "failed": failed, "post_rate": post_rate, "posted_at": posted_at}
+    return {"seconds": time.perf_counter() - start, "failed": failed, "post_rate": post_rate, "posted_at": posted_at,
+            "finished_at": finished_at}

@@ -207,6 +207,7 @@ class KvxferSession(Session):
         self.latencies: list[float] = []  # admit-to-READABLE seconds of every request of the counted rounds
         self.data_latencies: list[float] = []  # send()-to-READABLE seconds (one request in flight at a time)
         self.noticed_latencies: list[float] = []  # send() to the decode's wait() returning it READABLE
+        self.result_latencies: list[float] = []  # send() to the prefill's wait() returning it SUCCEEDED (its RESULT)
         self.cpu_seconds = {"prefill": 0.0, "decode": 0.0}  # each node process's CPU time over the counted rounds
         self.cpu_requests = 0
 
@@ -239,18 +240,23 @@ class KvxferSession(Session):
             self.post_rates.append(sent["post_rate"])
         readable, posted = received.get("readable_at") or [], sent.get("posted_at") or []
         noticed = received.get("noticed_at") or []
+        finished = sent.get("finished_at") or []
         if self.round > 1:  # the first round is the bench's uncounted warm-up
             self.latencies.extend(received.get("latencies", ()))
             if self.config.concurrency == 1 and len(readable) == len(posted):  # request i is request i on both
                 self.data_latencies.extend(r - p for r, p in zip(readable, posted))
                 if len(noticed) == len(posted):
                     self.noticed_latencies.extend(n - p for n, p in zip(noticed, posted))
+                if len(finished) == len(posted) and not self.config.caller_busy_ms:  # the prefill's RESULT
+                    self.result_latencies.extend(s - p for s, p in zip(finished, posted))
         # per-request latency, admission to READABLE (verified) on the decode side
         record_latency(self.result, self.latencies, self.per_request, "admit-to-READABLE")
         if self.data_latencies:  # and from the prefill's send() to READABLE: the data path's share
             self.result.extra.update(p50_p99("send_latency", self.data_latencies))
         if self.noticed_latencies:  # and to the decode's wait() returning: when its consumer learns it
             self.result.extra.update(p50_p99("noticed_latency", self.noticed_latencies))
+        if self.result_latencies:  # and to the prefill's wait() returning: RESULT taken, its sources free
+            self.result.extra.update(p50_p99("succeeded_latency", self.result_latencies))
         return float(received["seconds"])
 
     def close(self, *, measure: bool = True) -> None:

@@ -98,6 +98,9 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], dict[str, str]]:
                     if "noticed_latency_p50_s" in r.extra:
                         entry["noticed_p50_s"] = r.extra["noticed_latency_p50_s"]
                         entry["noticed_p99_s"] = r.extra["noticed_latency_p99_s"]
+                    if "succeeded_latency_p50_s" in r.extra:
+                        entry["succeeded_p50_s"] = r.extra["succeeded_latency_p50_s"]
+                        entry["succeeded_p99_s"] = r.extra["succeeded_latency_p99_s"]
                     for side in ("prefill", "decode"):
                         if f"{side}_cpu_us_per_request" in r.extra:
                             entry[f"{side}_cpu_us"] = r.extra[f"{side}_cpu_us_per_request"]
@@ -130,7 +133,8 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
     busy = f", the prefill's caller busy {config.caller_busy_ms:g} ms after each send()" if config.caller_busy_ms else ""
     table = Table(title=f"kvxfer bench --small-requests ({config.transport}): per-request latency p50 / p99, ms, "
                         f"one request in flight{busy}")
-    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer send->wait()", "kvxfer admit->READABLE",
+    for column in ("page", "request", "kvxfer send->READABLE", "kvxfer send->wait()", "kvxfer send->SUCCEEDED",
+                   "kvxfer admit->READABLE",
                    "kvxfer CPU us/request (prefill / decode)", "lanes send->READABLE / CPU", "NIXL DONE", "NIXL notified", "Mooncake", "/ NIXL DONE",
                    "/ NIXL notified", "/ Mooncake"):
         table.add_column(column, overflow="fold", justify="right")
@@ -153,14 +157,15 @@ def run_small_requests(config: BenchConfig, *, json_path: str | None = None, pro
         lanes_cell = "-" if lanes is None else cell(lanes, "send_p50_s", "send_p99_s") + (
             f" / {lanes['prefill_cpu_us']:.0f} / {lanes['decode_cpu_us']:.0f}" if "prefill_cpu_us" in lanes else "")
         table.add_row(f"{row['page_bytes']:,} B", f"{row['request_pages']} pages", cell(k, "send_p50_s", "send_p99_s"),
-                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k), cpu, lanes_cell, cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
+                      cell(k, "noticed_p50_s", "noticed_p99_s"), cell(k, "succeeded_p50_s", "succeeded_p99_s"), cell(k), cpu, lanes_cell, cell(nixl), cell(nixl, "notified_p50_s", "notified_p99_s") if "error" not in nixl else "-",
                       cell(row.get("mooncake-tcp", {})), *ratios)
     console.print(table)
     for peer, reason in skipped.items():
         console.print(f"{peer}: skipped, {reason}", markup=False, highlight=False, soft_wrap=True)
     console.print("kvxfer send->READABLE: the prefill's send() to the decode's READABLE, verified (the data path, "
                   "as NIXL's initialize_xfer->DONE and Mooncake's transfer_sync_write); send->wait(): to the decode's "
-                  "wait() returning it (its consumer informed, as NIXL notified); admit->READABLE adds the "
+                  "wait() returning it (its consumer informed, as NIXL notified); send->SUCCEEDED: to the prefill's wait() "
+                  "returning it (the decode's RESULT taken, its sources free); admit->READABLE adds the "
                   "destination's round trip (META), which the peers leave to their users. NIXL notified: initialize_xfer "
                   "to the target's get_new_notifs returning the transfer's notification (the moment an SGLang decode "
                   "on NIXL learns its KV landed, as wait() is kvxfer's). / NIXL DONE, / Mooncake: kvxfer send->READABLE "

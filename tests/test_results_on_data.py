@@ -210,11 +210,62 @@ def test_answering_is_quick_and_never_waits(engines):
     pair = engines(fault_injection=False)
     pair.prefill.transport.lanes.unwatch(pair.link._sock)
     conn = pair.decode.receiver.peers[pair.peer].conn
-    result = m.Result(rid="r", gen=1 << 40, ok=False, reason="x", detail="y" * 8000)
+    result = m.Result(rid="r", gen=1 << 40, ok=False, reason="x", detail="y" * 4000)
     t0 = time.monotonic()
+    sent = 0
     while pair.decode.transport.answer(conn, result):
-        pass
+        sent += 1
+    declined = pair.decode.transport.stats()["answers_declined"]
     for _ in range(100):
         assert not pair.decode.transport.answer(conn, result)
     assert time.monotonic() - t0 < 5
+    assert pair.decode.transport.stats()["answers_declined"] == declined + 100
     pair.prefill.transport.lanes.watch(pair.link._sock, pair.link)
+    wait_for(lambda: pair.link.results_received == sent, timeout=10, what="every RESULT frame read back")
+    assert pair.link.alive and conn in pair.decode.transport.connections()
+
+
+@pytest.mark.parametrize("who", ["decode fences", "link ends"])
+def test_a_result_that_came_ahead_of_the_connections_end_counts(engines, who):
+    """The decode answered on the connection, then the connection ended before the prefill's watcher
+    read the frame (the decode fenced it, telling the prefill on the control plane; or the link ended on
+    the prefill's side): the prefill reads what is left in the socket before it settles the link's
+    requests, so the verified request succeeds instead of failing for a closed connection."""
+    pair = engines(fault_injection=False)
+    p, d = pair.prefill, pair.decode
+    link = pair.link
+    p.transport.lanes.unwatch(link._sock)  # the watcher is slow to come round
+    pair.transfer("ahead", 2 * PAGE_TOKENS)
+    assert d.wait("ahead", timeout=10).state is R.READABLE
+    wait_for(lambda: d.stats()["data_path"]["answers_sent"] == 1, timeout=5, what="the RESULT frame sent")
+    assert p.status("ahead").state is S.DONE_SENT
+    if who == "decode fences":
+        assert d.fence(d.receiver.peers[pair.peer].conn, "test: fenced right after answering")
+    else:
+        link.abort_connection()  # the link's end, as a failed send would find it
+        link.peer_closed("test: the connection ended")
+    assert p.wait("ahead", timeout=10).state is S.SUCCEEDED
+    pair.wait_reconnected(link.epoch)
+
+
+def test_a_frame_the_kernel_takes_in_part_is_completed_before_any_other(engines):
+    """The decode's send buffer at its minimum and a writer that does not read: a RESULT frame the kernel
+    takes only in part is finished first (by the control thread's flush once the writer reads again),
+    no other frame is sent meanwhile, and the writer reads every frame whole."""
+    pair = engines(fault_injection=False)
+    link = pair.link
+    pair.prefill.transport.lanes.unwatch(link._sock)
+    _decode_socket(pair).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = pair.decode.receiver.peers[pair.peer].conn
+    sent = 0
+    while sent < 10_000 and pair.decode.transport.answer(
+            conn, m.Result(rid=f"r{sent}", gen=1 << 40, ok=False, reason="x", detail="y" * 4000)):
+        sent += 1
+    stats = pair.decode.transport.stats()
+    assert stats["answers_split"] >= 1 and stats["answers_declined"] >= 1, stats
+    pair.prefill.transport.lanes.watch(link._sock, link)
+    wait_for(lambda: link.results_received == sent, timeout=10, what="every RESULT frame read back whole")
+    assert link.alive
+    pair.transfer("after", PAGE_TOKENS)
+    assert pair.prefill.wait("after", timeout=10).state is S.SUCCEEDED

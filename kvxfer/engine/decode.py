@@ -466,6 +466,7 @@ class DecodeEngine(EngineBase):
         return closed
 
     def _tick(self) -> None:
+        self.transport.flush()  # RESULT frames a slow writer left part-sent
         for conn, reason in self.receiver.tick():
             self.fence(conn, reason)
         now = time.monotonic()

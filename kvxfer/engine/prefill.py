@@ -311,6 +311,7 @@ class PrefillEngine(EngineBase):
 
     def _retire(self, link: SenderLink, reason: str) -> None:
         """Settle the requests on ``link`` and close it (or hand it to the test hooks)."""
+        link.drain_messages()  # a RESULT that came on it ahead of the fence counts
         self.sender.on_connection_closed(link, reason)
         if not self.hooks.retire_link(link):
             self._close_later(link)

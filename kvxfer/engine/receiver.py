@@ -252,6 +252,7 @@ class Receiver:
         # messages to peers held while a verification holds the lock (RESULT): sent once it is released,
         # so the consumer woken by READABLE does not wait for their encoding and queueing
         self._outbox: list[tuple[str, m.Message, Any]] | None = None
+        self._woke_waiters = False  # a verdict notified threads waiting on ``changed`` (under the lock)
         self._request_fence = request_fence or (lambda conn, reason: None)
         self._clock = clock
         self.unsafe_legacy = unsafe_legacy
@@ -508,7 +509,8 @@ class Receiver:
 
     def _send_now(self, peer: str, msg: m.Message, conn: Any) -> None:
         if conn is not None and self._answer(conn, msg):
-            self.stats["results_on_data"] += 1
+            with self.lock:
+                self.stats["results_on_data"] += 1
             return
         self._deliver(peer, msg)
 
@@ -517,6 +519,7 @@ class Receiver:
         """Hold the lock; the messages sent meanwhile go out, in order, once it is released (the
         waiters :attr:`changed` woke get the lock first). Nested uses share the outermost's outbox."""
         held: list[tuple[str, m.Message, Any]] | None = None
+        woke = False
         try:
             with self.lock:
                 outer = self._outbox is None
@@ -527,11 +530,12 @@ class Receiver:
                 finally:
                     if outer:
                         held, self._outbox = self._outbox, None
+                        woke, self._woke_waiters = self._woke_waiters, False
         finally:
-            if held and any(type(msg) is m.Result for _, msg, _ in held):
+            if woke:
                 # the consumer woken by the verdict first: where it shares this thread's CPU it would
                 # otherwise wait for the RESULT's send (on loopback the send runs the peer's receive path
-                # too); measured in docs/benchmarks.md, "Consumer first"
+                # too); docs/benchmarks.md, "RESULT on the data connection, and the consumer first"
                 os.sched_yield()
             for peer, msg, conn in held or ():
                 self._send_now(peer, msg, conn)
@@ -679,6 +683,7 @@ class Receiver:
             req.fsm.to(R.ABORTED, reason)
             self.stats["aborted"] += 1
             self._finish(req, release_from=(PageState.READABLE,))
+        self._woke_waiters = self._woke_waiters or bool(getattr(self.changed, "_waiters", True))
         self.changed.notify_all()
 
     def _record_write_log(self, req: ReceiveRequest, leg: ReceiveLeg, msg: m.Done) -> VerificationFailed | None:

@@ -140,6 +140,10 @@ class ReceiverBackend(abc.ABC):
         waits and never calls back into the engine."""
         return False
 
+    def flush(self) -> None:  # noqa: B027 - optional
+        """Called on the engine's control thread every few milliseconds: send what :meth:`answer` left
+        part-sent (a writer reading slowly); never waits."""
+
     def sync(self, conn: ConnId, gen: int | None = None) -> None:  # noqa: B027 - optional
         """Before an ordered message from the control plane is acted on: make sure everything the
         fabric already completed for ``conn`` reached the guard (``ordered_via_control`` only)."""
@@ -214,6 +218,12 @@ class SenderLink(abc.ABC):
     def post_raw(self, pieces: list[Any]) -> None:
         """Send prepared frame bytes as they are (``Capabilities.raw_frames`` only)."""
         raise NotImplementedError(f"{type(self).__name__} does not send raw frames")
+
+    def drain_messages(self) -> None:
+        """Deliver (``LinkRequest.on_message``) what the receiver already sent back on the connection and
+        this side has not read yet: called before the link's requests are settled, so a RESULT that
+        came in order ahead of the connection's end is not lost. Never waits; by default nothing."""
+        return None
 
     def prepare(self, batch: WriteBatch) -> None:
         """Called when a request's destination arrived, before its send: do for ``batch`` what can be

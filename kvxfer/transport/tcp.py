@@ -238,6 +238,7 @@ class _Inbound:
     got: bytearray = field(default_factory=bytearray)  # HANDSHAKE: bytes of the header or body so far
     scratch: memoryview | None = None  # OPEN: refused payloads are read through it (made on first refusal)
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # RESULT frames sent back (answer)
+    tail: bytes = b""  # the rest of a RESULT frame the kernel took only part of (sent first, by flush)
 
 
 _LISTENER = object()  # selector keys of the accept thread that are not connections
@@ -298,6 +299,8 @@ class TcpReceiver(ReceiverBackend):
         self.answer_on_data = answer_on_data
         self.answers_sent = 0  # RESULT frames handed to a data connection
         self.answers_declined = 0  # ... left to the control plane: the writer was not reading them
+        self.answers_split = 0  # ... of which the kernel took only part at once (the rest went on by flush)
+        self._tails: set[_Inbound] = set()  # connections with part of a RESULT frame still to send
 
         self.layout = layout
         self.guard = guard
@@ -699,14 +702,16 @@ class TcpReceiver(ReceiverBackend):
     def _finish(self, inbound: _Inbound, reason: str) -> None:
         with self._lock:
             self._pending.discard(inbound)
+            self._tails.discard(inbound)
             fenced = inbound.state is _ConnState.FENCING
             inbound.state = _ConnState.CLOSED
             if inbound.conn_id is not None and self._conns.get(inbound.conn_id) is inbound:
                 del self._conns[inbound.conn_id]
-        try:
-            inbound.sock.close()
-        except OSError:  # pragma: no cover
-            pass
+        with inbound.send_lock:  # no RESULT is being sent on it (its descriptor number may be reused)
+            try:
+                inbound.sock.close()
+            except OSError:  # pragma: no cover
+                pass
         if not fenced and inbound.conn_id is not None:
             self._on_closed(inbound.conn_id, reason)
 
@@ -722,6 +727,7 @@ class TcpReceiver(ReceiverBackend):
                 "live_connections": live, "pending_connections": pending,
                 "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
                 "answers_sent": self.answers_sent, "answers_declined": self.answers_declined,
+                "answers_split": self.answers_split,
                 "accept_errors": self.accept_errors}
 
     def fence(self, conn_id: Any) -> bool:
@@ -749,9 +755,10 @@ class TcpReceiver(ReceiverBackend):
     def answer(self, conn_id: Any, msg: m.Message) -> bool:
         """Send RESULT ``msg`` back on data connection ``conn_id`` without waiting (SPEC §3.0.1, RESULT
         frames): False, sending nothing, when the connection is not open, the frame would be too long,
-        or the writer leaves more than :data:`ANSWER_BACKLOG` bytes unread (the caller then uses the
-        control plane). A send the kernel took only in part would leave the stream out of sync: the
-        connection is then shut down (it ends as any broken connection does) and False returned."""
+        the rest of an earlier frame is still waiting, or more than :data:`ANSWER_BACKLOG` bytes sent
+        on it are not yet acknowledged (the writer is not reading them); the caller then uses the control
+        plane. A frame the kernel takes only in part is completed first, by :meth:`flush` (the control
+        thread's tick) or the next answer, so frames never interleave."""
         if not self.answer_on_data:
             return False
         with self._lock:
@@ -764,25 +771,55 @@ class TcpReceiver(ReceiverBackend):
             return False
         with inbound.send_lock:
             try:
+                if inbound.tail and not self._send_tail(inbound):
+                    self._count("answers_declined")
+                    return False
                 if _send_queue_bytes(inbound.sock) + len(frame) > ANSWER_BACKLOG:
-                    self.answers_declined += 1
+                    self._count("answers_declined")
                     return False
                 sent = inbound.sock.send(frame, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                self.answers_declined += 1
+                self._count("answers_declined")
                 return False
             except OSError:  # the connection is ending: its end is reported as usual
                 return False
-            if sent != len(frame):
-                log.warning("data connection %s: the kernel took %d of a RESULT frame's %d bytes; the connection "
-                            "is shut down (its stream is out of sync)", conn_id, sent, len(frame))
-                try:
-                    inbound.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                return False
-            self.answers_sent += 1
+            if sent < len(frame):  # the rest goes before anything else on this connection
+                inbound.tail = frame[sent:]
+                with self._lock:
+                    self._tails.add(inbound)
+                    self.answers_split += 1
+        self._count("answers_sent")
         return True
+
+    def _send_tail(self, inbound: _Inbound) -> bool:
+        """Under ``inbound.send_lock``: send what is left of a part-sent frame without waiting; True once
+        none is left (a connection that failed has none: it ends, and its writer with it)."""
+        try:
+            sent = inbound.sock.send(inbound.tail, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            sent = len(inbound.tail)
+        inbound.tail = inbound.tail[sent:]
+        if not inbound.tail:
+            with self._lock:
+                self._tails.discard(inbound)
+        return not inbound.tail
+
+    def flush(self) -> None:
+        with self._lock:
+            waiting = list(self._tails)
+        for inbound in waiting:
+            if inbound.send_lock.acquire(blocking=False):  # an answer() under way sends it itself
+                try:
+                    if inbound.tail:
+                        self._send_tail(inbound)
+                finally:
+                    inbound.send_lock.release()
+
+    def _count(self, name: str) -> None:
+        with self._lock:  # several threads answer at once (the data threads, the verifier)
+            setattr(self, name, getattr(self, name) + 1)
 
     def close(self) -> None:
         with self._lock:
@@ -876,6 +913,7 @@ class TcpLink(FrameLink):
         self._on_message = on_message
         self._results = f.ResultReader()
         self.results_received = 0
+        self._read_lock = threading.Lock()  # one reader of the socket at a time; held while it is closed
         # a small request (one batch that leaves with its DONE) posted on an idle link leaves from the
         # posting thread (unhold): no lane's wake-up, and no wait for the interpreter while the caller
         # goes on with Python work (a serving engine's scheduler)
@@ -923,25 +961,47 @@ class TcpLink(FrameLink):
         """On the lanes' watcher: read what the receiver sent without blocking and deliver each whole
         RESULT frame; why the link must end (the receiver closed its end, or sent anything but RESULT
         frames), or None."""
+        with self._read_lock:
+            why, results = self._read_once()
+        self._deliver(results)  # outside the read lock: delivering takes the engine's
+        return why
+
+    def drain_messages(self) -> None:
+        """Deliver every whole RESULT frame already in the socket (before the link's requests settle)."""
+        while True:
+            with self._read_lock:
+                why, results = self._read_once()
+            self._deliver(results)
+            if why is not None or not results:
+                return
+
+    def _read_once(self) -> tuple[str | None, list[m.Message]]:
+        """One non-blocking read (under ``_read_lock``): why the link must end, or None, and the whole
+        RESULT frames read (the ones before a malformed frame included)."""
+        if self._sock.fileno() < 0:
+            return "the link is closed", []
         try:
             data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return None
+            return None, []
         except OSError as exc:
-            return f"the receiver's end failed: {exc}"
+            return f"the receiver's end failed: {exc}", []
         if not data:
-            return "the receiver closed the connection"
+            return "the receiver closed the connection", []
         if self._on_message is None:
-            return "the receiver sent bytes on a data connection that takes no RESULT frames"
-        for msg in self._results.feed(data):  # the whole frames before any malformed one count
-            self.results_received += 1
+            return "the receiver sent bytes on a data connection that takes no RESULT frames", []
+        results = self._results.feed(data)
+        self.results_received += len(results)
+        if self._results.error is not None:
+            return f"the receiver sent a malformed frame: {self._results.error}", results
+        return None, results
+
+    def _deliver(self, results: list[m.Message]) -> None:
+        for msg in results:
             try:
-                self._on_message(msg)
+                self._on_message(msg)  # type: ignore[misc]
             except Exception:  # the engine reports its own failures; the connection is fine
                 log.exception("data connection to %s: handling %s", self.address, msg.TYPE)
-        if self._results.error is not None:
-            return f"the receiver sent a malformed frame: {self._results.error}"
-        return None
 
     def _claim_inline(self) -> tuple[WriteJob, OrderedJob] | None:
         """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
@@ -1227,10 +1287,12 @@ class TcpLink(FrameLink):
             return
         self._lanes.unwatch(self._sock)
         self._fail_queued()
-        try:
-            self._sock.close()
-        except OSError:  # pragma: no cover
-            pass
+        self.drain_messages()  # a RESULT that came ahead of the end still counts
+        with self._read_lock:
+            try:
+                self._sock.close()
+            except OSError:  # pragma: no cover
+                pass
         if self._staging is not None:
             try:
                 self._staging.close()

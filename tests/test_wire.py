@@ -76,6 +76,16 @@ BAD_INPUTS = {
 }
 
 
+def _hello_with_geometry_order(order: str) -> bytes:
+    version, kind, body = msgpack.unpackb(m.encode(golden.example_messages()["HELLO_TP"]))
+    body["geometry"][3][0][7] = order  # the first buffer's in-page order
+    return msgpack.packb([version, kind, body], use_bin_type=True)
+
+
+BAD_INPUTS["geometry with an unknown order"] = (_hello_with_geometry_order("NBD"),
+                                                "HELLO.geometry: buffer geometry: order 'NBD' is not one of")
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_decoder_rejects_bad_input_with_a_clear_error(case):
     data, needle = BAD_INPUTS[case]

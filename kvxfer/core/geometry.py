@@ -226,7 +226,10 @@ class KVGeometry:
                     raise ValueError("buffer geometry numbers must be unsigned 32-bit integers")
             if not all(isinstance(entry[i], str) for i in (1, 6, 7)):
                 raise TypeError("buffer geometry kind, dtype and order must be strings")
-            specs.append(BufferGeometry(*entry))
+            try:
+                specs.append(BufferGeometry(*entry))
+            except ConfigError as exc:  # a peer's bad value (an unknown order or dtype) is its protocol error
+                raise ValueError(str(exc)) from None
         for v in (tp_rank, tp_size):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 16:
                 raise ValueError("tp_rank and tp_size must be integers below 65536")

@@ -9,9 +9,8 @@ queue. A link with a timed wake-up (a late frame held by fault injection) is wok
 With ``watch`` (links over sockets), one watcher thread polls the sockets of every watched link for the receiver closing its end (EOF or
 a reset: the decode's engine or process is gone, or it fenced the connection) and tells the link at
 once (:meth:`Served.peer_closed`), so a dead peer's link ends without waiting for a write to fail.
-The same thread reads what a receiver sends back on the connection (RESULT frames): a link that
-takes them provides ``readable()``, which reads without blocking and says why the link must end, if
-it must.
+The same thread reads what a receiver sends back on the connection (RESULT frames): a watched link's
+``readable()`` reads without blocking and says why the link must end, if it must.
 
 A lane blocked on one link's socket (a receiver that stopped reading) holds that lane until the link
 is closed (the peer declared dead, the link closed: a closer shuts the socket down, which unblocks
@@ -33,7 +32,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 log = logging.getLogger("kvxfer.lanes")
 
@@ -51,6 +50,10 @@ class Served(Protocol):
 
     def peer_closed(self, reason: str) -> None:
         """The watcher saw the receiver close its end of the socket."""
+
+    def readable(self) -> str | None:
+        """A watched link's socket is readable: read it without blocking (what the receiver sent back),
+        and say why the link must end (the receiver closed its end, sent what it may not), or None."""
 
 
 class LaneLink:
@@ -185,9 +188,8 @@ class SendLanes:
             for key, _ in events:
                 if key.data is None:  # close() woke the watcher
                     continue
-                readable = getattr(key.data, "readable", None)
                 try:
-                    reason = readable() if readable is not None else self._closed_reason(key.fileobj)
+                    reason = key.data.readable()
                 except Exception as exc:  # a link's reader failing ends that link only
                     log.exception("%s: reading a data connection failed", self.name)
                     reason = f"reading the connection failed: {exc}"
@@ -198,20 +200,6 @@ class SendLanes:
                     key.data.peer_closed(reason)
                 except Exception:  # pragma: no cover - a link reports its own failures
                     log.exception("%s: reporting a closed connection failed", self.name)
-
-    @staticmethod
-    def _closed_reason(sock: Any) -> str | None:
-        """Why a readable sending socket of a link that takes nothing back is readable: the receiver
-        closed it, or sent bytes it may not send; None if there is nothing (a spurious wake-up)."""
-        try:
-            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            return f"the receiver's end failed: {exc}"
-        if not data:
-            return "the receiver closed the connection"
-        return "the receiver sent bytes on a data connection (it never does)"
 
     # lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:

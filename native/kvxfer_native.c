@@ -299,6 +299,11 @@ static PyObject *check_run_table(PyObject *self, PyObject *args) {
  * -2: the run table does. On -1 and -2 the caller runs the Python parser on `header` (and `runs`),
  * which names the rule. The twin of parse_header + parse_runs: tests/test_guard_native.py holds them
  * equal on random and hostile frames. */
+/* A DONE frame's body (kvxfer/wire/frames.py DONE_FIXED, DONE_BODY_MAX): a 24-byte fixed part, then a
+ * request id of at most 2048 bytes and at most 4096 bytes of aux. */
+#define DONE_FIXED_BYTES 24u
+#define DONE_BODY_MAX (DONE_FIXED_BYTES + 2048u + 4096u)
+
 static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     int fd;
     unsigned int version, max_runs;
@@ -322,8 +327,11 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     memcpy(&body_len, h + 20, 4);
     memcpy(&payload_len, h + 24, 8);
     int status = 1;
-    if (h[0] != 'K' || h[1] != 'X' || h[2] != version || kind < 1 || kind > 3) status = -1;
-    else if (kind == 2) {
+    if (h[0] != 'K' || h[1] != 'X' || h[2] != version || kind < 1 || (kind > 3 && kind != 5)) status = -1;
+    else if (kind == 5) {  /* DONE in its fixed binary layout: its body is read here, parsed by the caller */
+        if (count != 0 || payload_len != 0 || body_len <= DONE_FIXED_BYTES || body_len > DONE_BODY_MAX) status = -1;
+        else status = 3;
+    } else if (kind == 2) {
         if (count < 1 || count > max_runs || (uint64_t)body_len != (uint64_t)count * 24 || payload_len < 1 ||
             payload_len > max_payload)
             status = -1;
@@ -334,7 +342,7 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     }
     if (status == 1 && kind == 3 && body_len <= max_ordered) status = 2;  /* its body is read here too */
     PyObject *runs = NULL;
-    if (status == 0 || status == 2) {
+    if (status == 0 || status == 2 || status == 3) {
         runs = PyBytes_FromStringAndSize(NULL, body_len);
         if (runs == NULL) return NULL;
         uint8_t *body = (uint8_t *)PyBytes_AS_STRING(runs);
@@ -346,7 +354,7 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
             Py_DECREF(runs);
             return raise_recv(rc);
         }
-        /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
+        /* an ORDERED frame's body (status 2) is a message, a DONE frame's (3) a DONE: the caller parses them */
         if (status == 0 && !run_table_ok(body, count, payload_len, max_payload, max_offset)) status = -2;
     } else {
         runs = Py_None;
@@ -1233,7 +1241,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "SEND_GROUP", SEND_GROUP) < 0 ||
-        PyModule_AddIntConstant(m, "RECV_GROUP", RECV_GROUP) < 0) {
+        PyModule_AddIntConstant(m, "RECV_GROUP", RECV_GROUP) < 0 ||
+        PyModule_AddIntConstant(m, "DONE_BODY_MAX", DONE_BODY_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }

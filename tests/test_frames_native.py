@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 def _random_frame(rng: np.random.Generator) -> bytes:
     """A frame header and, for a WRITE, a body of the header's length: valid about half the time."""
-    kind = int(rng.choice([2, 2, 2, 3, 1, 0, 4, 255]))
+    kind = int(rng.choice([2, 2, 2, 3, 5, 1, 0, 4, 255]))
     count = int(rng.integers(1, 6))
     lengths = rng.integers(1, 1 << 16, count).astype(np.uint64)
     offsets = rng.integers(0, 1 << 40, count).astype(np.uint64)
@@ -41,9 +41,13 @@ def _random_frame(rng: np.random.Generator) -> bytes:
     roll = rng.random()
     if kind != 2:
         count_field, payload = (0, 0) if rng.random() < 0.8 else (int(rng.integers(0, 3)), int(rng.integers(0, 3)))
-        body_len = int(rng.choice([0, 1, 77, MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES + 1]))
+        if kind == 5:  # a DONE frame: its body is read with the header whenever its length is allowed
+            body_len = int(rng.choice([0, 24, 25, 77, f.DONE_BODY_MAX, f.DONE_BODY_MAX + 1, MAX_MESSAGE_BYTES]))
+        else:
+            body_len = int(rng.choice([0, 1, 77, MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES + 1]))
         header = struct.pack("<2sBBIQIIQ", magic, version, kind, slot, gen, count_field, body_len, payload)
-        return header + (rng.integers(0, 256, body_len, dtype=np.uint8).tobytes() if body_len <= MAX_ORDERED else b"")
+        limit = f.DONE_BODY_MAX if kind == 5 else MAX_ORDERED
+        return header + (rng.integers(0, 256, body_len, dtype=np.uint8).tobytes() if body_len <= limit else b"")
     if roll < 0.05:
         magic = b"XK"
     elif roll < 0.1:
@@ -88,7 +92,7 @@ def _python(frame: bytes) -> tuple[tuple, list] | str:
 def _parse(frame: bytes) -> tuple[tuple, list] | str:
     try:
         header = f.parse_header(frame[: f.HEADER_SIZE])
-        if header.kind is f.FrameKind.ORDERED and header.body_len <= MAX_ORDERED:
+        if header.kind is f.FrameKind.DONE or (header.kind is f.FrameKind.ORDERED and header.body_len <= MAX_ORDERED):
             return (header, frame[f.HEADER_SIZE : f.HEADER_SIZE + header.body_len])
         if header.kind is not f.FrameKind.WRITE:
             return (header, None)

@@ -64,6 +64,9 @@ def seed_corpus() -> None:
     done = m.encode(m.Done(rid="fuzz", gen=fuzzing.FUZZ_GEN, bytes=2 * item, pages=1, checksum=1, algo="adler32"))
     ordered = f.message_frame(f.FrameKind.ORDERED, done, slot=fuzzing.FUZZ_SLOT, generation=fuzzing.FUZZ_GEN)
     (CORPUS / "frames" / "window-write-then-done").write_bytes(write + ordered)
+    done_frame = f.done_frame(m.Done(rid="fuzz", gen=fuzzing.FUZZ_GEN, bytes=2 * item, pages=1, checksum=1,
+                                     algo="adler32"), slot=fuzzing.FUZZ_SLOT)
+    (CORPUS / "frames" / "window-write-then-done-frame").write_bytes(write + done_frame)
     verbs_done = m.encode(m.Done(rid="fuzz", gen=fuzzing.FUZZ_GEN, bytes=2 * item, pages=1, checksum=1,
                                  algo="adler32", runs=runs))
     (CORPUS / "messages" / "window-done-with-write-log").write_bytes(verbs_done)

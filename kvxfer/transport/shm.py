@@ -146,7 +146,6 @@ log = logging.getLogger("kvxfer.shm")
 
 CAPABILITIES = Capabilities(write_log=False, ordered_via_control=False, requires_final=False, raw_frames=True,
                             same_host=True)
-ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 
 # ring format
 MAGIC = int.from_bytes(b"KVXSHMR1", "little")
@@ -466,6 +465,7 @@ class ShmReceiver(ReceiverBackend):
         self._closed = False
         self.protocol_errors = 0
         self.frames = 0
+        self.done_frames = 0  # DONEs that came in the binary DONE frame (the rest came as ORDERED msgpack)
         self.payload_seconds = 0.0  # time inside payload copies (ring -> pages)
         self.busy_seconds = 0.0  # time handling frames, from a published frame to done
         reaped = reap_stale_rings(self.directory)
@@ -565,13 +565,11 @@ class ShmReceiver(ReceiverBackend):
                 t0 = time.perf_counter()
                 if header.kind is f.FrameKind.WRITE:
                     self._land_write(inbound, header, body)
-                elif header.kind is f.FrameKind.ORDERED:
-                    msg = m.decode(body)
-                    if not isinstance(msg, ORDERED_TYPES):
-                        raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")
-                    if msg.gen != header.generation:
-                        raise ProtocolError(f"ORDERED frame tagged generation {header.generation} carries "
-                                            f"{msg.TYPE} for generation {msg.gen}")
+                elif header.kind is f.FrameKind.ORDERED or header.kind is f.FrameKind.DONE:
+                    msg = f.ordered_message(header, body)
+                    if header.kind is f.FrameKind.DONE:
+                        with self._lock:
+                            self.done_frames += 1
                     self.hooks.on_ordered(conn_id, msg)
                 else:
                     raise ProtocolError("second CONNECT on one ring")
@@ -600,7 +598,8 @@ class ShmReceiver(ReceiverBackend):
         self._wait(inbound, f.HEADER_SIZE, boundary=True)
         header = f.parse_header(inbound.ring.read(inbound.consumer, f.HEADER_SIZE))
         self._consume(inbound, f.HEADER_SIZE)
-        limit = {f.FrameKind.CONNECT: f.CONNECT_BODY_MAX, f.FrameKind.ORDERED: self.max_ordered_body}.get(header.kind)
+        limit = {f.FrameKind.CONNECT: f.CONNECT_BODY_MAX, f.FrameKind.ORDERED: self.max_ordered_body,
+                 f.FrameKind.DONE: self.max_ordered_body}.get(header.kind)
         if limit is not None and header.body_len > limit:  # refused before allocating or reading it
             raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds {limit}")
         body = bytearray(header.body_len)
@@ -748,7 +747,8 @@ class ShmReceiver(ReceiverBackend):
         with self._lock:
             offers = sum(1 for i in self._offers.values() if i.conn_id is None)
         return {"protocol_errors": self.protocol_errors, "frames": self.frames, "payload_seconds": self.payload_seconds,
-                "busy_seconds": self.busy_seconds, "rings_offered": offers, "ring_bytes": self.ring_bytes}
+                "busy_seconds": self.busy_seconds, "rings_offered": offers, "ring_bytes": self.ring_bytes,
+                "done_frames": self.done_frames}
 
     def close(self) -> None:
         """Fence every connection (reporting each through ``on_closed``), withdraw every offer and
@@ -929,7 +929,7 @@ class ShmLink(FrameLink):
             self.frames_sent += 1
             self.sent_inline += 1
             msg = ordered.msg() if callable(ordered.msg) else ordered.msg
-            trailer = f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=ordered.slot, generation=ordered.gen)
+            trailer = f.ordered_frame(msg, slot=ordered.slot, generation=ordered.gen)
             if self._free() < len(trailer):
                 requeue = [RawJob([trailer])]
                 return
@@ -1007,8 +1007,7 @@ class ShmLink(FrameLink):
             self._send_batch(job)
         elif isinstance(job, OrderedJob):
             msg = job.msg() if callable(job.msg) else job.msg
-            self._write_pieces([f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot,
-                                                generation=job.gen)])
+            self._write_pieces([f.ordered_frame(msg, slot=job.slot, generation=job.gen)])
         else:
             self._write_pieces(job.frame)
         self.frames_sent += 1

@@ -98,7 +98,6 @@ FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buf
 # with that message in one sendmsg: its item checksums are taken before sending instead of during it
 WITH_ORDERED_MAX_BYTES = 256 << 10
 WITH_ORDERED_MAX_RUNS = 256
-ORDERED_TYPES = (m.Done, m.DrainAck, m.Reject, m.Abort)
 _SCRATCH = 64 << 10  # a refused write's payload is read through this, made on a connection's first refusal
 CONNECT_BODY_MAX = f.CONNECT_BODY_MAX
 ACCEPT_BACKOFF_MIN = 0.01  # after accept() fails (no descriptors, no memory): retry after this, doubling
@@ -178,14 +177,16 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-_C_FRAME_HEAD = native.lib.recv_frame_head if native.provides("recv_frame_head") else None
+# the C reader of frame heads, where the built extension knows this protocol's DONE frame
+_C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head")
+                 and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX else None)
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
 
 def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameHeader, Any]:
-    """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for an ORDERED
-    frame of at most ``max_ordered`` body bytes its body (bytes), read and checked in C
+    """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for a DONE frame
+    or an ORDERED frame of at most ``max_ordered`` body bytes its body (bytes), read and checked in C
     (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`
     and :func:`~kvxfer.wire.frames.parse_runs`); other bodies stay in the socket (None). A frame C refuses
     is parsed by the Python rules, which raise the ProtocolError naming the rule."""
@@ -336,6 +337,7 @@ class TcpReceiver(ReceiverBackend):
         self._closed = False
         self.protocol_errors = 0
         self.frames = 0
+        self.done_frames = 0  # DONEs that came in the binary DONE frame (the rest came as ORDERED msgpack)
         self.payload_seconds = 0.0  # time inside the payload copy (recv into destination pages)
         self.busy_seconds = 0.0  # time handling frames, from header arrival to done
         self.connections_refused = 0  # closed at accept: max_connections held already
@@ -594,21 +596,16 @@ class TcpReceiver(ReceiverBackend):
                     self._land_write(sock, inbound, header, staging, body)
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
-                elif header.kind is f.FrameKind.ORDERED:
+                elif header.kind is f.FrameKind.ORDERED or header.kind is f.FrameKind.DONE:
                     if header.body_len > self.max_ordered_body:  # refused before allocating or reading it
                         raise ProtocolError(f"ORDERED frame body of {header.body_len} bytes exceeds "
                                             f"max_ordered_body ({self.max_ordered_body})")
                     if body is None:
                         body = bytearray(header.body_len)
                         recv_exact(sock, memoryview(body))
-                    msg = m.decode(body)
-                    if not isinstance(msg, ORDERED_TYPES):
-                        raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")
-                    if msg.gen != header.generation:
-                        raise ProtocolError(
-                            f"ORDERED frame tagged generation {header.generation} carries {msg.TYPE} "
-                            f"for generation {msg.gen}"
-                        )
+                    msg = f.ordered_message(header, body)
+                    if header.kind is f.FrameKind.DONE:
+                        self._count("done_frames")
                     if staging is not None:
                         staging.drain()  # every earlier write is in the pages before this is acted on
                     self._on_ordered(inbound.conn_id, msg)
@@ -727,7 +724,7 @@ class TcpReceiver(ReceiverBackend):
                 "live_connections": live, "pending_connections": pending,
                 "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
                 "answers_sent": self.answers_sent, "answers_declined": self.answers_declined,
-                "answers_split": self.answers_split,
+                "answers_split": self.answers_split, "done_frames": self.done_frames,
                 "accept_errors": self.accept_errors}
 
     def fence(self, conn_id: Any) -> bool:
@@ -1120,7 +1117,7 @@ class TcpLink(FrameLink):
     def _ordered_frame(job: OrderedJob) -> bytes:
         """The ORDERED frame of ``job``, its message built now (DONE: behind every write before it)."""
         msg = job.msg() if callable(job.msg) else job.msg
-        return f.message_frame(f.FrameKind.ORDERED, m.encode(msg), slot=job.slot, generation=job.gen)
+        return f.ordered_frame(msg, slot=job.slot, generation=job.gen)
 
     def _leaves_with_next(self, job: Any) -> bool:
         """Under ``_cond``, the queue not empty: whether ``job`` and the ordered job queued behind it

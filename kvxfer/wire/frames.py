@@ -10,6 +10,10 @@ A frame is a fixed 32-byte header, a body and, for WRITE, a payload (``protocol/
 * ``ORDERED`` (kind 3): body is a msgpack control message (DONE, DRAIN_ACK, REJECT, ABORT) that
   must be acted on only after every earlier frame on the connection; the header's tag repeats the
   message's generation and slot.
+* ``DONE``    (kind 5): a DONE in a fixed binary layout (:data:`DONE_FIXED`, then the request id and aux),
+  ordered exactly as an ORDERED frame; the header's generation is the DONE's. A writer sends it for a DONE
+  without a write log and with at most :data:`DONE_AUX_MAX` bytes of aux (any other DONE goes as ORDERED):
+  the receiver's data thread reads it without a msgpack decoder (:func:`parse_done`).
 * ``RESULT``  (kind 4): receiver -> writer, the only frame that travels that way: body is a msgpack
   RESULT message (at most :data:`RESULT_BODY_MAX` bytes), the header's generation repeats its ``gen``
   and its slot is 0. The receiver answers a verification on the connection the request's DONE came
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.arguments import MAX_RID_STR
 from ..core.pagesets import all_set, any_set, total
 from ..core.runs import RUN_DTYPE
 from ..core.runs import pack_runs as pack_runs  # a WRITE frame's body; the record is the runs' own
@@ -53,6 +58,7 @@ class FrameKind(enum.IntEnum):
     WRITE = 2
     ORDERED = 3
     RESULT = 4
+    DONE = 5
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,12 @@ def parse_header(data: bytes | bytearray | memoryview, *, toward_writer: bool = 
     if (kind is FrameKind.RESULT) != toward_writer:
         raise ProtocolError("a RESULT frame travels receiver -> writer only" if toward_writer is False
                             else f"the receiver sent a {kind.name} frame (only RESULT travels that way)")
-    if kind is FrameKind.WRITE:
+    if kind is FrameKind.DONE:
+        if count or payload_len:
+            raise ProtocolError("DONE frame must have no runs and no payload")
+        if not DONE_FIXED.size < body_len <= DONE_BODY_MAX:
+            raise ProtocolError(f"DONE frame body of {body_len} bytes (allowed {DONE_FIXED.size + 1}..{DONE_BODY_MAX})")
+    elif kind is FrameKind.WRITE:
         if not 1 <= count <= MAX_RUNS:
             raise ProtocolError(f"WRITE frame with {count} runs (allowed 1..{MAX_RUNS})")
         if body_len != count * RUN_SIZE:
@@ -160,6 +171,107 @@ CONNECT_BODY_MAX = 32 << 10  # a CONNECT holds an engine id (at most 4096 charac
 
 def message_frame(kind: FrameKind, body: bytes, *, slot: int = 0, generation: int = 0) -> bytes:
     return FrameHeader(kind, slot, generation, 0, len(body), 0).pack() + body
+
+
+# A DONE frame's body: bytes u64 | pages u32 | checksum u32 | algo u8 | rid kind u8 | rid_len u16 | aux_len u32,
+# then rid_len bytes of request id (kind 1: a uint64, rid_len 8; kind 2: UTF-8, 1..MAX_RID_STR characters)
+# and aux_len bytes of aux; body_len is exactly the sum.
+DONE_FIXED = struct.Struct("<QIIBBHI")
+DONE_AUX_MAX = 4096  # a DONE with more aux (or with a write log) travels as an ORDERED msgpack DONE
+DONE_RID_MAX = MAX_RID_STR * 4  # UTF-8 bytes of the longest string request id
+DONE_BODY_MAX = DONE_FIXED.size + DONE_RID_MAX + DONE_AUX_MAX
+DONE_ALGOS = {"adler32": 1, "crc32": 2}
+_DONE_ALGO_NAMES = {code: name for name, code in DONE_ALGOS.items()}
+RID_UINT, RID_STR = 1, 2
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+assert DONE_FIXED.size == 24
+
+
+def done_frame(msg: Any, *, slot: int) -> bytes | None:
+    """The DONE frame of ``msg`` (a :class:`~kvxfer.wire.messages.Done`), or None when it does not fit
+    the binary layout (a write log, more than :data:`DONE_AUX_MAX` bytes of aux, a field out of its
+    range): the caller then sends it as an ORDERED frame. Values are those ``encode`` accepts."""
+    algo = DONE_ALGOS.get(msg.algo)
+    rid, aux = msg.rid, msg.aux
+    if (msg.runs or algo is None or len(aux) > DONE_AUX_MAX or not 0 <= msg.pages <= _U32
+            or not 0 <= msg.bytes <= _U64 or not 0 <= msg.checksum <= _U32 or not 0 <= msg.gen <= _U64):
+        return None
+    if type(rid) is str:
+        if not 1 <= len(rid) <= MAX_RID_STR:
+            return None
+        rid_kind, rid_bytes = RID_STR, rid.encode()
+    elif type(rid) is int and 0 <= rid <= _U64:
+        rid_kind, rid_bytes = RID_UINT, rid.to_bytes(8, "little")
+    else:
+        return None
+    body_len = DONE_FIXED.size + len(rid_bytes) + len(aux)
+    return b"".join((HEADER.pack(MAGIC, FRAME_VERSION, FrameKind.DONE, slot, msg.gen, 0, body_len, 0),
+                     DONE_FIXED.pack(msg.bytes, msg.pages, msg.checksum, algo, rid_kind, len(rid_bytes), len(aux)),
+                     rid_bytes, aux))
+
+
+def parse_done(header: FrameHeader, body: bytes | bytearray | memoryview) -> Any:
+    """The :class:`~kvxfer.wire.messages.Done` a DONE frame carries (its generation the header's), or a
+    ProtocolError naming the rule the body breaks."""
+    from .messages import Done
+
+    body = bytes(body)
+    if len(body) != header.body_len or len(body) <= DONE_FIXED.size:
+        raise ProtocolError(f"DONE frame body of {len(body)} bytes (header says {header.body_len})")
+    nbytes, pages, checksum, algo, rid_kind, rid_len, aux_len = DONE_FIXED.unpack_from(body)
+    if DONE_FIXED.size + rid_len + aux_len != len(body):
+        raise ProtocolError(f"DONE frame body of {len(body)} bytes holds a {rid_len}-byte request id and "
+                            f"{aux_len} bytes of aux")
+    name = _DONE_ALGO_NAMES.get(algo)
+    if name is None:
+        raise ProtocolError(f"DONE frame names checksum algorithm {algo} (1: adler32, 2: crc32)")
+    if aux_len > DONE_AUX_MAX:
+        raise ProtocolError(f"DONE frame with {aux_len} bytes of aux (at most {DONE_AUX_MAX})")
+    raw = body[DONE_FIXED.size : DONE_FIXED.size + rid_len]
+    if rid_kind == RID_UINT:
+        if rid_len != 8:
+            raise ProtocolError(f"DONE frame: an integer request id of {rid_len} bytes (8)")
+        rid: Any = int.from_bytes(raw, "little")
+    elif rid_kind == RID_STR:
+        try:
+            rid = raw.decode()
+        except UnicodeDecodeError:
+            raise ProtocolError("DONE frame: the request id is not UTF-8") from None
+        if not 1 <= len(rid) <= MAX_RID_STR:
+            raise ProtocolError(f"DONE frame: a request id of {len(rid)} characters (1..{MAX_RID_STR})")
+    else:
+        raise ProtocolError(f"DONE frame: request id kind {rid_kind} (1: integer, 2: string)")
+    return Done(rid=rid, gen=header.generation, bytes=nbytes, pages=pages, checksum=checksum, algo=name,
+                aux=body[DONE_FIXED.size + rid_len :])
+
+
+def ordered_frame(msg: Any, *, slot: int, generation: int) -> bytes:
+    """The frame that carries an ordered message: a DONE frame where :func:`done_frame` takes it, else an
+    ORDERED frame of its msgpack encoding."""
+    from .messages import Done, encode
+
+    if type(msg) is Done and msg.gen == generation:
+        frame = done_frame(msg, slot=slot)
+        if frame is not None:
+            return frame
+    return message_frame(FrameKind.ORDERED, encode(msg), slot=slot, generation=generation)
+
+
+def ordered_message(header: FrameHeader, body: bytes | bytearray | memoryview) -> Any:
+    """The message an ORDERED or DONE frame carries, checked: one of DONE, DRAIN_ACK, REJECT and ABORT, for
+    the header's generation; ProtocolError otherwise."""
+    from .messages import Abort, Done, DrainAck, Reject, decode
+
+    if header.kind is FrameKind.DONE:
+        return parse_done(header, body)
+    msg = decode(body)
+    if not isinstance(msg, (Done, DrainAck, Reject, Abort)):
+        raise ProtocolError(f"{msg.TYPE} may not travel as an ORDERED frame")
+    if msg.gen != header.generation:
+        raise ProtocolError(f"ORDERED frame tagged generation {header.generation} carries {msg.TYPE} "
+                            f"for generation {msg.gen}")
+    return msg
 
 
 RESULT_BODY_MAX = 16 << 10  # a RESULT's detail is a short text; a longer answer goes on the control plane

@@ -8,7 +8,7 @@ hypothesis tests and the corpus replay test:
 * :func:`frame_stream`: a data-plane byte stream as the tcp receiver consumes it: frame headers,
   WRITE run tables checked by a real :class:`~kvxfer.core.writeguard.WriteGuard` against a real ledger
   with a write window open (its C check where built, then held to the Python rules), ORDERED and
-  CONNECT message bodies;
+  CONNECT message bodies, and DONE frames' binary bodies;
 * :func:`result_stream`: what a writer reads back on its data connection (RESULT frames), through
   :class:`~kvxfer.wire.frames.ResultReader`, whole and in pieces (both must read the same messages).
 
@@ -72,8 +72,10 @@ def frame_stream(data: bytes) -> None:
                 runs = f.parse_runs(header, body)
                 _check_runs_with_guard(runs, conn="fuzz", slot=header.slot, gen=header.generation)
                 pos += header.payload_len
-            else:
+            elif header.kind is f.FrameKind.CONNECT:
                 m.decode(body)
+            else:
+                f.ordered_message(header, body)
         except ProtocolError:
             return
         except WriteRefused:

@@ -94,6 +94,7 @@ def example_frames() -> dict[str, bytes]:
         "FRAME_CONNECT": f.message_frame(f.FrameKind.CONNECT, m.encode(example_messages()["CONNECT"])),
         "FRAME_WRITE": write,
         "FRAME_ORDERED_DONE": f.message_frame(f.FrameKind.ORDERED, m.encode(done), slot=3, generation=7),
+        "FRAME_DONE": f.done_frame(done, slot=3),
         "FRAME_RESULT": f.result_frame(example_messages()["RESULT"]),
     }
 

@@ -26,7 +26,8 @@ from ..core.arguments import MAX_RID_STR, U64
 from ..core.geometry import KVGeometry
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 5: RESULT frames back on a tcp data connection (a writer reads them);
+PROTOCOL_VERSION = 6  # 6: DONE frames (a DONE in a fixed binary layout) on tcp and shm data connections;
+# 5: RESULT frames back on a tcp data connection (a writer reads them);
 # 4: HELLO/HELLO_ACK.geometry and META.heads (unequal TP and page sizes);
 # 3: META.access (per-request memory windows); 2: OFFER/ACCEPT carry each transport's handshake
 # (1 had VERBS_INFO/VERBS_CONNECT)

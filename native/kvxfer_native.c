@@ -428,6 +428,82 @@ done:
     return out;
 }
 
+/* recv_run_table(fd, runs, bases, item_lens, algo, initial, chunk) -> bytes or None
+ * A WRITE frame's payload landed straight from its run table (24-byte records <buffer u32, flags u32,
+ * offset u64, length u64>, already checked and accepted by the write guard): run i goes to
+ * bases[buffer] + offset (bases: one uint64 address per buffer). With algo >= 0, as recv_runs_summed
+ * (runs are whole items of item_lens[buffer] bytes, int64 per buffer): returns the item checksums;
+ * with algo < 0 only lands (recv_runs) and returns None. The same as computing the addresses, lengths
+ * and item lengths in numpy and calling recv_runs(_summed), without the arrays. */
+static PyObject *recv_run_table(PyObject *self, PyObject *args) {
+    int fd, algo;
+    Py_buffer runs, bases, items;
+    unsigned long long initial, chunk;
+    if (!PyArg_ParseTuple(args, "iy*y*y*iKK", &fd, &runs, &bases, &items, &algo, &initial, &chunk)) return NULL;
+    PyObject *out = NULL;
+    uint64_t *a = NULL;
+    size_t n = (size_t)runs.len / 24, nbuf = (size_t)bases.len / 8;
+    checksum_fn fn = NULL;
+    if (runs.len % 24 || n == 0 || bases.len % 8 || items.len != bases.len || nbuf == 0) {
+        PyErr_SetString(PyExc_ValueError, "recv_run_table: a run table of 24-byte records, one base address and "
+                        "one item length per buffer");
+        goto done;
+    }
+    if (algo >= 0 && (fn = pick_checksum(algo)) == NULL) goto done;
+    a = (uint64_t *)PyMem_Malloc(3 * n * sizeof(uint64_t));
+    if (a == NULL) { PyErr_NoMemory(); goto done; }
+    uint64_t *l = a + n, *it = a + 2 * n;
+    const uint8_t *rec = (const uint8_t *)runs.buf;
+    const uint64_t *base = (const uint64_t *)bases.buf;
+    const int64_t *item = (const int64_t *)items.buf;
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++, rec += 24) {
+        uint32_t buffer;
+        uint64_t offset, length;
+        memcpy(&buffer, rec, 4);
+        memcpy(&offset, rec + 8, 8);
+        memcpy(&length, rec + 16, 8);
+        if (buffer >= nbuf || length == 0 || item[buffer] <= 0 || (fn != NULL && length % (uint64_t)item[buffer])) {
+            PyErr_Format(PyExc_ValueError, "recv_run_table: run %zu (buffer %u, %llu bytes) is not whole items of "
+                         "a buffer of the layout", i, buffer, (unsigned long long)length);
+            goto done;
+        }
+        a[i] = base[buffer] + offset;
+        l[i] = length;
+        it[i] = (uint64_t)item[buffer];
+        count += fn != NULL ? (size_t)(length / it[i]) : 0;
+    }
+    int rc = 0;
+    if (fn == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = recv_range(fd, a, l, 0, n, RECV_GROUP);
+        Py_END_ALLOW_THREADS
+        if (rc) raise_recv(rc);
+        else { out = Py_None; Py_INCREF(out); }
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)count * 4);
+    if (out == NULL) goto done;
+    uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    size_t first = 0, slot = 0;
+    while (first < n && rc == 0) {
+        size_t end = first, bytes = 0;
+        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
+        rc = recv_range(fd, a, l, first, end, (size_t)chunk);
+        if (rc == 0) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
+        first = end;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_recv(rc); Py_CLEAR(out); }
+done:
+    PyMem_Free(a);
+    PyBuffer_Release(&runs);
+    PyBuffer_Release(&bases);
+    PyBuffer_Release(&items);
+    return out;
+}
+
 /* Send `prefix` (may be empty) then runs [first, end) with sendmsg; 0 or an errno. GIL not held. */
 static int send_range(int fd, const char *prefix, size_t prefix_len, const uint64_t *a, const uint64_t *l,
                       size_t first, size_t end) {
@@ -1208,6 +1284,9 @@ static PyMethodDef methods[] = {
     {"recv_frame_head", recv_frame_head, METH_VARARGS,
      "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered]) -> (status, kind, "
      "slot, generation, count, body_len, payload_len, header, body)"},
+    {"recv_run_table", recv_run_table, METH_VARARGS,
+     "recv_run_table(fd, runs, bases, item_lens, algo, initial, chunk) -> bytes or None: land a WRITE frame's "
+     "payload from its run table (item checksums with algo >= 0)"},
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
      "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},

@@ -161,3 +161,68 @@ def test_runs_longer_than_one_read_land_whole(summed: bool):
         assert np.frombuffer(raw, np.uint32).tolist() == expected
     a.close()
     b.close()
+
+
+@pytest.mark.skipif(not native.provides("recv_run_table") or not native.checksums_in_c,
+                    reason=f"needs kvxfer._native with recv_run_table and zlib-ng ({native.describe()})")
+@pytest.mark.parametrize("seed", range(3))
+def test_landing_from_the_run_table_is_landing_from_address_arrays(seed):
+    """recv_run_table (the tcp receiver's landing of an accepted WRITE frame) computes each run's
+    destination from the run table and the buffers' bases in C; random tables over buffers of different
+    item sizes land the same bytes in the same places, with the same item checksums (adler32 and crc32),
+    as recv_runs / recv_runs_summed given the addresses numpy computes. A table it cannot take (a buffer
+    outside the layout, a run not whole items when summing) is a ValueError before any byte is read."""
+    from kvxfer.wire import frames as f
+
+    rng = np.random.default_rng(seed)
+    items = np.array([4096, 512, 1536], dtype=np.int64)
+    pages = 32
+    for trial in range(30):
+        algo = int(rng.integers(-1, 2))  # -1: land only; 0 adler32, 1 crc32 (native_id)
+        initial = 1 if algo == 0 else 0
+        count = int(rng.integers(1, 12))
+        buffers = rng.integers(0, len(items), count)
+        first = rng.integers(0, pages, count)
+        npages = np.minimum(rng.integers(1, 4, count), pages - first)
+        runs = np.zeros(count, dtype=f.RUN_DTYPE)
+        runs["buffer"], runs["offset"] = buffers, first * items[buffers]
+        runs["length"] = npages * items[buffers]
+        payload = rng.integers(0, 256, int(runs["length"].sum()), dtype=np.uint8)
+        outs = []
+        for way in ("table", "arrays"):
+            pools = [np.zeros(pages * int(n), dtype=np.uint8) for n in items]
+            bases = np.array([p.ctypes.data for p in pools], dtype=np.uint64)
+            a, b = socket.socketpair()
+            try:
+                a.sendall(payload.tobytes())
+                if way == "table":
+                    raw = native.lib.recv_run_table(b.fileno(), runs, bases.tobytes(), items.tobytes(), algo,
+                                                    initial, 64 << 10)
+                else:
+                    addresses = (bases[runs["buffer"]] + runs["offset"]).tobytes()
+                    lengths = runs["length"].astype(np.uint64).tobytes()
+                    if algo < 0:
+                        raw = native.lib.recv_runs(b.fileno(), addresses, lengths)
+                    else:
+                        per_run = items.astype(np.uint64)[runs["buffer"]].tobytes()
+                        raw = native.lib.recv_runs_summed(b.fileno(), addresses, lengths, per_run, algo,
+                                                          initial, 64 << 10)
+            finally:
+                a.close()
+                b.close()
+            outs.append((raw, [p.tobytes() for p in pools]))
+        assert outs[0] == outs[1], (trial, algo, runs)
+        assert any(any(p) for p in outs[0][1])
+    a, b = socket.socketpair()
+    try:
+        bases, lens = np.zeros(3, dtype=np.uint64).tobytes(), items.tobytes()
+        bad = np.zeros(1, dtype=f.RUN_DTYPE)
+        bad["buffer"], bad["length"] = 3, 4096
+        with pytest.raises(ValueError, match="run 0 .buffer 3"):
+            native.lib.recv_run_table(b.fileno(), bad, bases, lens, 0, 1, 64 << 10)
+        bad["buffer"], bad["length"] = 1, 700  # not whole 512-byte items
+        with pytest.raises(ValueError, match="not whole items"):
+            native.lib.recv_run_table(b.fileno(), bad, bases, lens, 0, 1, 64 << 10)
+    finally:
+        a.close()
+        b.close()

@@ -180,6 +180,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 # the C reader of frame heads, where the built extension knows this protocol's DONE frame
 _C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head")
                  and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX else None)
+# lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
+_C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
@@ -321,6 +323,9 @@ class TcpReceiver(ReceiverBackend):
         self._dst = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
+        # what recv_run_table needs to land a frame from its run table: each buffer's base and item length
+        self._dst_bases = self._dst_base.tobytes()
+        self._item_lens = np.ascontiguousarray(layout.item_lens, dtype=np.int64).tobytes()
         bind = host.strip("[]") if host not in ("", "*") else "0.0.0.0"
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         # "::" binds every interface: IPv4 writers too, as the control plane's dual-stack socket takes them
@@ -658,7 +663,12 @@ class TcpReceiver(ReceiverBackend):
             self.guard.record(window, runs, counts, sums)
             return
         sums = None
-        if native.lib is not None:
+        if _C_RUN_TABLE_RECV is not None and runs.dtype == f.RUN_DTYPE and runs.flags.c_contiguous:
+            algo = self._sum_fn if self._sum_fn is not None and summed else -1
+            raw = _C_RUN_TABLE_RECV(sock.fileno(), runs, self._dst_bases, self._item_lens, algo, self._sum_initial,
+                                    SUM_CHUNK)
+            sums = None if raw is None else np.frombuffer(raw, dtype=np.uint32)
+        elif native.lib is not None:
             sums = self._recv_runs_native(sock, runs, self._dst_base[runs["buffer"]] + runs["offset"], summed)
         else:
             for buffer, offset, length in zip(

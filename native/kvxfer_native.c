@@ -302,7 +302,52 @@ static PyObject *check_run_table(PyObject *self, PyObject *args) {
 /* A DONE frame's body (kvxfer/wire/frames.py DONE_FIXED, DONE_BODY_MAX): a 24-byte fixed part, then a
  * request id of at most 2048 bytes and at most 4096 bytes of aux. */
 #define DONE_FIXED_BYTES 24u
-#define DONE_BODY_MAX (DONE_FIXED_BYTES + 2048u + 4096u)
+#define DONE_RID_CHARS 512u
+#define DONE_AUX_MAX 4096u
+#define DONE_BODY_MAX (DONE_FIXED_BYTES + 4u * DONE_RID_CHARS + DONE_AUX_MAX)
+
+/* A DONE frame's body (frames.py parse_done's rules) as (rid, bytes, pages, checksum, algo, aux): rid an
+ * int or a str, algo 1 (adler32) or 2 (crc32). NULL without an exception set for a body that breaks a rule
+ * (the caller's Python parser then names it); NULL with one for a failure of this process (memory). */
+static PyObject *parse_done_body(const uint8_t *b, uint32_t body_len) {
+    uint64_t nbytes;
+    uint32_t pages, checksum, aux_len;
+    uint16_t rid_len;
+    uint8_t algo = b[16], rid_kind = b[17];
+    memcpy(&nbytes, b, 8);
+    memcpy(&pages, b + 8, 4);
+    memcpy(&checksum, b + 12, 4);
+    memcpy(&rid_len, b + 18, 2);
+    memcpy(&aux_len, b + 20, 4);
+    if ((uint64_t)DONE_FIXED_BYTES + rid_len + aux_len != body_len || (algo != 1 && algo != 2) ||
+        aux_len > DONE_AUX_MAX)
+        return NULL;
+    const uint8_t *id = b + DONE_FIXED_BYTES;
+    PyObject *rid;
+    if (rid_kind == 1) {
+        if (rid_len != 8) return NULL;
+        uint64_t value;
+        memcpy(&value, id, 8);
+        rid = PyLong_FromUnsignedLongLong(value);
+        if (rid == NULL) return NULL;
+    } else if (rid_kind == 2) {
+        rid = PyUnicode_DecodeUTF8((const char *)id, rid_len, "strict");
+        if (rid == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return NULL;
+            PyErr_Clear();
+            return NULL;
+        }
+        Py_ssize_t chars = PyUnicode_GET_LENGTH(rid);
+        if (chars < 1 || chars > DONE_RID_CHARS) {
+            Py_DECREF(rid);
+            return NULL;
+        }
+    } else {
+        return NULL;
+    }
+    return Py_BuildValue("(NKIIiy#)", rid, (unsigned long long)nbytes, pages, checksum, (int)algo,
+                         (const char *)(id + rid_len), (Py_ssize_t)aux_len);
+}
 
 static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     int fd;
@@ -354,8 +399,17 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
             Py_DECREF(runs);
             return raise_recv(rc);
         }
-        /* an ORDERED frame's body (status 2) is a message, a DONE frame's (3) a DONE: the caller parses them */
+        /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
         if (status == 0 && !run_table_ok(body, count, payload_len, max_payload, max_offset)) status = -2;
+        if (status == 3) {  /* a DONE frame's body, parsed here: (rid, bytes, pages, checksum, algo, aux) */
+            PyObject *done = parse_done_body(body, body_len);
+            if (done == NULL && PyErr_Occurred()) {
+                Py_DECREF(runs);
+                return NULL;
+            }
+            if (done == NULL) status = -3;  /* the Python rules name what is wrong with it */
+            else { Py_DECREF(runs); runs = done; }
+        }
     } else {
         runs = Py_None;
         Py_INCREF(runs);
@@ -1321,7 +1375,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "SEND_GROUP", SEND_GROUP) < 0 ||
         PyModule_AddIntConstant(m, "RECV_GROUP", RECV_GROUP) < 0 ||
-        PyModule_AddIntConstant(m, "DONE_BODY_MAX", DONE_BODY_MAX) < 0) {
+        PyModule_AddIntConstant(m, "DONE_BODY_MAX", DONE_BODY_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "DONE_AUX_MAX", DONE_AUX_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }

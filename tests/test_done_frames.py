@@ -11,13 +11,16 @@ connection with a named reason while the next connection transfers byte-exact.
 from __future__ import annotations
 
 import random
+import socket
 import struct
 
 import pytest
 
 from kvxfer import ReceiverState
+from kvxfer.core import native
 from kvxfer.core.arguments import MAX_RID_STR
 from kvxfer.errors import ProtocolError
+from kvxfer.transport import tcp
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 from kvxfer.wire.golden import example_messages
@@ -130,6 +133,57 @@ def test_a_done_frame_toward_a_writer_is_refused():
     frame = f.done_frame(m.Done(rid="r", gen=5, bytes=1, pages=1, checksum=1, algo="crc32"), slot=1)
     with pytest.raises(ProtocolError, match="only RESULT"):
         f.parse_header(frame[: f.HEADER_SIZE], toward_writer=True)
+
+
+def _mutated(rng: random.Random) -> bytes:
+    """A DONE frame's bytes, valid about half the time: each broken one breaks one rule of the body."""
+    done = _random_done(rng)
+    frame = bytearray(f.done_frame(done, slot=rng.getrandbits(32)))
+    body = f.HEADER_SIZE
+    roll = rng.random()
+    if roll < 0.08:
+        frame[body + 16] = rng.choice([0, 3, 255])  # algo
+    elif roll < 0.16:
+        frame[body + 17] = rng.choice([0, 3, 1 if isinstance(done.rid, str) else 2])  # rid kind
+    elif roll < 0.24:
+        struct.pack_into("<H", frame, body + 18, rng.choice([0, 1, 9, 0xFFFF]))  # rid_len
+    elif roll < 0.32:
+        struct.pack_into("<I", frame, body + 20, rng.choice([0, 1, f.DONE_AUX_MAX + 1, 0xFFFFFFFF]))  # aux_len
+    elif roll < 0.40 and isinstance(done.rid, str):
+        frame[body + 24] = rng.choice([0xFF, 0xC0, 0x80])  # the id's first byte: never valid UTF-8 there
+    elif roll < 0.45 and isinstance(done.rid, str) and len(done.rid.encode()) >= 3:
+        frame[body + 24 : body + 27] = b"\xed\xa0\x80"  # an encoded surrogate: not UTF-8 either
+    return bytes(frame)
+
+
+@pytest.mark.skipif(tcp._C_FRAME_HEAD is None, reason=f"needs kvxfer._native's recv_frame_head ({native.describe()})")
+@pytest.mark.parametrize("seed", range(3))
+def test_the_c_reader_parses_done_frames_as_parse_done_does(seed):
+    """The tcp receiver reads a DONE frame's body in C (recv_frame_head): over a real socket pair, random
+    DONE frames, about half of them broken in one rule, give exactly what parse_done gives: the same
+    fields, or the same ProtocolError."""
+    rng = random.Random(100 + seed)
+    outcomes = {"read": 0, "refused": 0}
+    for _ in range(600):
+        frame = _mutated(rng)
+        try:
+            expected: object = _fields(_read(frame))
+        except ProtocolError as exc:
+            expected = str(exc)
+        a, b = socket.socketpair()
+        try:
+            a.sendall(frame)
+            try:
+                header, body = tcp.recv_frame_head(b, 100)
+                got: object = _fields(body if isinstance(body, m.Done) else f.ordered_message(header, body))
+            except ProtocolError as exc:
+                got = str(exc)
+        finally:
+            a.close()
+            b.close()
+        assert got == expected, frame.hex()
+        outcomes["refused" if isinstance(expected, str) else "read"] += 1
+    assert min(outcomes.values()) > 150, outcomes
 
 
 # over real engines ------------------------------------------------------------------------------------------

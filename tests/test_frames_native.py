@@ -20,6 +20,7 @@ from kvxfer.core import native
 from kvxfer.errors import ProtocolError
 from kvxfer.transport import tcp
 from kvxfer.wire import frames as f
+from kvxfer.wire import messages as m
 from kvxfer.wire.messages import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.skipif(
@@ -92,7 +93,9 @@ def _python(frame: bytes) -> tuple[tuple, list] | str:
 def _parse(frame: bytes) -> tuple[tuple, list] | str:
     try:
         header = f.parse_header(frame[: f.HEADER_SIZE])
-        if header.kind is f.FrameKind.DONE or (header.kind is f.FrameKind.ORDERED and header.body_len <= MAX_ORDERED):
+        if header.kind is f.FrameKind.DONE:
+            return (header, _done_fields(f.parse_done(header, frame[f.HEADER_SIZE : f.HEADER_SIZE + header.body_len])))
+        if header.kind is f.FrameKind.ORDERED and header.body_len <= MAX_ORDERED:
             return (header, frame[f.HEADER_SIZE : f.HEADER_SIZE + header.body_len])
         if header.kind is not f.FrameKind.WRITE:
             return (header, None)
@@ -100,6 +103,10 @@ def _parse(frame: bytes) -> tuple[tuple, list] | str:
         return (header, runs.tolist())
     except ProtocolError as exc:
         return str(exc)
+
+
+def _done_fields(done: m.Done) -> tuple:
+    return tuple(getattr(done, name) for name in ("rid", "gen", "bytes", "pages", "checksum", "algo", "aux", "runs"))
 
 
 def _native(frame: bytes) -> tuple[tuple, list] | str:
@@ -110,6 +117,8 @@ def _native(frame: bytes) -> tuple[tuple, list] | str:
             header, body = tcp.recv_frame_head(b, MAX_ORDERED)
         except ProtocolError as exc:
             return str(exc)
+        if isinstance(body, m.Done):
+            return (header, _done_fields(body))
         return (header, body.tolist() if isinstance(body, np.ndarray) else body)
     finally:
         a.close()

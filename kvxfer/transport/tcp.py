@@ -179,7 +179,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 # the C reader of frame heads, where the built extension knows this protocol's DONE frame
 _C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head")
-                 and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX else None)
+                 and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX
+        and getattr(native.lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
 # lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
 _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
@@ -188,7 +189,8 @@ _KINDS = {int(kind): kind for kind in f.FrameKind}
 
 def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameHeader, Any]:
     """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for a DONE frame
-    or an ORDERED frame of at most ``max_ordered`` body bytes its body (bytes), read and checked in C
+    its DONE (a :class:`~kvxfer.wire.messages.Done`), for an ORDERED frame of at most ``max_ordered`` body
+    bytes its body (bytes), read and checked in C
     (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`
     and :func:`~kvxfer.wire.frames.parse_runs`); other bodies stay in the socket (None). A frame C refuses
     is parsed by the Python rules, which raise the ProtocolError naming the rule."""
@@ -198,8 +200,14 @@ def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameH
         header = f.parse_header(raw)
         if status == -2:
             f.parse_runs(header, body)
+        elif status == -3:
+            f.parse_done(header, body)
         raise ProtocolError(f"frame refused by the native parser but not by the Python rules: {raw.hex()}")
     header = f.FrameHeader(_KINDS[kind], slot, gen, count, body_len, payload_len)
+    if status == 3:  # a DONE frame, parsed in C by parse_done's rules
+        rid, nbytes, pages, checksum, algo, aux = body
+        return header, m.Done(rid=rid, gen=gen, bytes=nbytes, pages=pages, checksum=checksum,
+                              algo=f.DONE_ALGO_NAMES[algo], aux=aux)
     return header, (np.frombuffer(body, dtype=f.RUN_DTYPE) if status == 0 else body)
 
 
@@ -608,7 +616,7 @@ class TcpReceiver(ReceiverBackend):
                     if body is None:
                         body = bytearray(header.body_len)
                         recv_exact(sock, memoryview(body))
-                    msg = f.ordered_message(header, body)
+                    msg = body if isinstance(body, m.Done) else f.ordered_message(header, body)
                     if header.kind is f.FrameKind.DONE:
                         self._count("done_frames")
                     if staging is not None:

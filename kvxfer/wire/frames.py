@@ -181,7 +181,7 @@ DONE_AUX_MAX = 4096  # a DONE with more aux (or with a write log) travels as an 
 DONE_RID_MAX = MAX_RID_STR * 4  # UTF-8 bytes of the longest string request id
 DONE_BODY_MAX = DONE_FIXED.size + DONE_RID_MAX + DONE_AUX_MAX
 DONE_ALGOS = {"adler32": 1, "crc32": 2}
-_DONE_ALGO_NAMES = {code: name for name, code in DONE_ALGOS.items()}
+DONE_ALGO_NAMES = {code: name for name, code in DONE_ALGOS.items()}
 RID_UINT, RID_STR = 1, 2
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
@@ -223,7 +223,7 @@ def parse_done(header: FrameHeader, body: bytes | bytearray | memoryview) -> Any
     if DONE_FIXED.size + rid_len + aux_len != len(body):
         raise ProtocolError(f"DONE frame body of {len(body)} bytes holds a {rid_len}-byte request id and "
                             f"{aux_len} bytes of aux")
-    name = _DONE_ALGO_NAMES.get(algo)
+    name = DONE_ALGO_NAMES.get(algo)
     if name is None:
         raise ProtocolError(f"DONE frame names checksum algorithm {algo} (1: adler32, 2: crc32)")
     if aux_len > DONE_AUX_MAX:

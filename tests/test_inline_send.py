@@ -132,6 +132,46 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
         close_checked(made)
 
 
+def test_an_ordered_frame_the_socket_takes_in_part_is_finished_by_a_sending_thread():
+    """The posting thread sends the WRITE frame first, then the DONE frame: here the socket takes the whole
+    one-page WRITE but only part of a DONE carrying 900 KiB of aux (the decode reads nothing meanwhile, and
+    the send buffer is small), so the DONE's tail goes from a sending thread. send() returns at once, and
+    once the decode reads again the request is READABLE with the prefill's bytes and the whole aux; a
+    request posted meanwhile goes behind it."""
+    rings = Keyring.cluster(["prefill", "decode"])
+    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
+    made = []
+    try:
+        p = PrefillEngine(make_layout(64), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
+        made.append(p)
+        d = DecodeEngine(make_layout(128), EngineConfig(**{**vars(config), "keyring": rings["decode"]}))
+        made.append(d)
+        peer = d.connect(p.address)
+        rids = ["long-aux", "behind"]
+        for i, rid in enumerate(rids):
+            d.admit(rid, PAGE_TOKENS, peer=peer)
+            p.admit(rid, PAGE_TOKENS)
+            fill_random(p.layout, p.sender.source_pages(rid), seed=200 + i)
+            p.wait_ready(rid, timeout=10)
+        link = p.peers[d.engine_id].link
+        until_idle(link)
+        link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        aux = bytes(range(256)) * (900 * 4)
+        with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
+            returned = []
+            sender = threading.Thread(target=lambda: returned.append(p.send("long-aux", aux=aux)), daemon=True)
+            sender.start()
+            sender.join(5)
+            assert not sender.is_alive() and returned, "send() waited for a socket the receiver does not read"
+            assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
+            send_without_waiting(p, ["behind"], "a socket the receiver does not read")
+        req = d.wait("long-aux", timeout=20)
+        assert req.state is ReceiverState.READABLE and req.aux == aux, (req.state, req.error)
+        all_readable(p, d, rids)
+    finally:
+        close_checked(made)
+
+
 def test_a_ring_without_room_leaves_the_request_to_a_sending_thread(engines):
     """shm: the decode stops reading (its reader waits for the engine's lock, which the test holds) with
     a ring of 64 KiB: the first request fills most of it from the caller's thread, the second does not

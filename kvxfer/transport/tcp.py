@@ -854,14 +854,14 @@ class TcpReceiver(ReceiverBackend):
 
 @dataclass
 class _Wire:
-    """A small batch ready for one sendmsg: its WRITE frame's header and run table (``prefix``), the
-    iovec arrays with one spare last entry for the ordered frame sent behind it, and the payload's
-    (addresses, lengths, item lengths) as bytes for the checksum call."""
+    """A small batch's WRITE frame ready for one sendmsg: its header and run table (``prefix``), the
+    payload's addresses and lengths (uint64 bytes, the iovecs), and (addresses, lengths, item lengths)
+    as bytes for the checksum call."""
 
     nbytes: int
     prefix: bytes
-    addresses: np.ndarray
-    lengths: np.ndarray
+    addresses: bytes
+    lengths: bytes
     payload: tuple[bytes, bytes, bytes]
 
 
@@ -877,16 +877,17 @@ class _Reported:
         self.job.on_complete(batch, ok, failed)
 
 
-def _unsent(wire: _Wire, sent: int, runs: int | None = None) -> bytes:
-    """The bytes of ``wire`` (its prefix, then each run: the pages and the ordered frame; the first
-    ``runs`` runs only when given) after the first ``sent``, copied out of the sources."""
+def _unsent(wire: _Wire, sent: int) -> bytes:
+    """The bytes of ``wire``'s WRITE frame (its prefix, then each run's pages) after the first ``sent``,
+    copied out of the sources."""
     pieces, skip = [], sent
     if skip < len(wire.prefix):
         pieces.append(wire.prefix[skip:])
         skip = 0
     else:
         skip -= len(wire.prefix)
-    for address, length in zip(wire.addresses[:runs].tolist(), wire.lengths[:runs].tolist()):
+    for address, length in zip(np.frombuffer(wire.addresses, dtype=np.uint64).tolist(),
+                               np.frombuffer(wire.lengths, dtype=np.uint64).tolist()):
         if skip >= length:
             skip -= length
             continue
@@ -1163,24 +1164,23 @@ class TcpLink(FrameLink):
     def _wire(self, batch: WriteBatch) -> _Wire:
         (cut,) = self._frames(batch)  # one frame (_sends_whole)
         n = len(cut.lengths)
-        addresses = np.empty(n + 1, dtype=np.uint64)  # the last entry: the ordered frame behind, per send
-        lengths = np.empty(n + 1, dtype=np.uint64)
-        addresses[:n] = self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)
-        lengths[:n] = cut.lengths
+        addresses = (self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)).tobytes()
+        lengths = np.asarray(cut.lengths, dtype=np.uint64).tobytes()
         prefix = f.write_header(batch.slot, batch.gen, n, cut.nbytes) + f.pack_runs(cut.buffers, cut.dst_offsets,
                                                                                   cut.lengths)
         return _Wire(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
-                     payload=(addresses[:n].tobytes(), lengths[:n].tobytes(), cut.units.astype(np.uint64).tobytes()))
+                     payload=(addresses, lengths, cut.units.astype(np.uint64).tobytes()))
 
     def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob, *, wait: bool = True) -> bytes:
-        """One WRITE frame (the whole batch) and the ordered message behind it. The batch's item
-        checksums are taken before the message is built (a DONE combines them), and the message is
-        built exactly as its own step would build it; the batch is reported sent after the call, or
-        failed (and the connection ends) if it raises. A sending lane (``wait``) sends both in one
-        sendmsg. Without ``wait`` (the posting thread, :meth:`_send_inline`) the WRITE frame leaves
-        first, before the checksums and the message are made, so the receiver lands the pages
-        meanwhile, and the socket is never waited for: returns the bytes it did not take (copied, so
-        the sources are free), which the caller must send next; else b""."""
+        """One WRITE frame (the whole batch), then the ordered message behind it. The WRITE frame leaves
+        first and the batch's item checksums are taken and the message built after it (a DONE combines
+        them, and is built exactly as its own step would build it), so the receiver wakes and lands the
+        pages meanwhile: measured against one sendmsg of both frames, about 15% less send->wait() for
+        one and eight 4 KiB pages, on the caller's thread and on a lane alike (docs/benchmarks.md). The
+        batch is reported sent after the call, or failed (and the connection ends) if it raises.
+        Without ``wait`` (the posting thread, :meth:`_send_inline`) the socket is never waited for:
+        returns the bytes it did not take, copied (the rest of the WRITE frame and the whole ordered
+        frame, or the ordered frame's tail), which the caller must send next; else b""."""
         batch = job.batch
         if not batch.wait_sources():  # dropped unsent meanwhile (a close without flush, a failed ready event):
             # the message goes alone (a DONE behind cancelled writes is built as a writer ABORT)
@@ -1195,43 +1195,22 @@ class TcpLink(FrameLink):
             wire = self._wire(batch)
         else:
             self.sent_prepared += 1
-        if not wait:
-            return self._send_write_then_ordered(job, wire, ordered)
-        if self._sum_fn is not None and batch.sums_ready is None:
-            raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
-            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
-        trailer = np.frombuffer(self._ordered_frame(ordered), dtype=np.uint8)
-        wire.addresses[-1] = trailer.__array_interface__["data"][0]
-        wire.lengths[-1] = trailer.size
-        try:
-            native.lib.send_runs(self._sock.fileno(), wire.prefix, wire.addresses.tobytes(), wire.lengths.tobytes())
-        except BaseException:
-            job.on_complete(batch, 0, len(batch))
-            raise
-        self.bytes_sent += wire.nbytes
-        self.sent_with_ordered += 1
-        job.on_complete(batch, len(batch), 0)
-        return b""
-
-    def _send_write_then_ordered(self, job: WriteJob, wire: _Wire, ordered: OrderedJob) -> bytes:
-        """The posting thread's send of a small batch and its ordered message: the WRITE frame first
-        (the receiver wakes and lands it while this thread sums the pages and builds DONE), then the
-        ordered frame, neither waiting for the socket. Measured against one sendmsg of both (the
-        lane's way): about 15% less send->wait() for one and eight 4 KiB pages (docs/benchmarks.md).
-        Returns what the socket did not take, copied: the rest of the WRITE frame and the ordered frame
-        whole, or the ordered frame's tail."""
-        batch = job.batch
-        runs = len(wire.addresses) - 1  # the spare last entry is for a trailer sent with them: none here
         fd = self._sock.fileno()
+        rest = b""
         try:
-            sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses[:runs].tobytes(),
-                                               wire.lengths[:runs].tobytes())
-            unsent = _unsent(wire, sent, runs) if sent < len(wire.prefix) + wire.nbytes else b""
+            if wait:
+                native.lib.send_runs(fd, wire.prefix, wire.addresses, wire.lengths)
+                unsent = b""
+            else:
+                sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses, wire.lengths)
+                unsent = _unsent(wire, sent) if sent < len(wire.prefix) + wire.nbytes else b""
             if self._sum_fn is not None and batch.sums_ready is None:
                 raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
                 self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
             frame = self._ordered_frame(ordered)
-            if unsent:
+            if wait:
+                send_all(self._sock, [frame])
+            elif unsent:
                 rest = unsent + frame
             else:
                 rest = frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]

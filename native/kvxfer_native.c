@@ -288,17 +288,6 @@ static PyObject *check_run_table(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered])
- *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
- * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
- * kvxfer/wire/frames.py's parse_header does; for a WRITE frame also read its run table and check it as
- * parse_runs does (no flags, no empty run, none longer than max_payload, offsets below max_offset, the
- * lengths adding up to payload_len). status 0: a WRITE frame, `body` its run table (bytes); 2: an ORDERED
- * frame of at most max_ordered body bytes, `body` its body; 1: another valid header (its body is left in
- * the socket; body None); -1: the header breaks a rule;
- * -2: the run table does. On -1 and -2 the caller runs the Python parser on `header` (and `runs`),
- * which names the rule. The twin of parse_header + parse_runs: tests/test_guard_native.py holds them
- * equal on random and hostile frames. */
 /* A DONE frame's body (kvxfer/wire/frames.py DONE_FIXED, DONE_BODY_MAX): a 24-byte fixed part, then a
  * request id of at most 2048 bytes and at most 4096 bytes of aux. */
 #define DONE_FIXED_BYTES 24u
@@ -349,6 +338,18 @@ static PyObject *parse_done_body(const uint8_t *b, uint32_t body_len) {
                          (const char *)(id + rid_len), (Py_ssize_t)aux_len);
 }
 
+/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered])
+ *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
+ * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
+ * kvxfer/wire/frames.py's parse_header does; for a WRITE frame also read its run table and check it as
+ * parse_runs does (no flags, no empty run, none longer than max_payload, offsets below max_offset, the
+ * lengths adding up to payload_len). status 0: a WRITE frame, `body` its run table (bytes); 2: an ORDERED
+ * frame of at most max_ordered body bytes, `body` its body; 1: another valid header (its body is left in
+ * the socket; body None); 3: a DONE frame, `body` its parsed body (parse_done_body's tuple); -1: the
+ * header breaks a rule; -2: the run table does; -3: the DONE frame's body does (`body` its bytes). On
+ * -1, -2 and -3 the caller runs the Python parser on `header` (and `body`), which names the rule. The
+ * twin of parse_header + parse_runs + parse_done: tests/test_frames_native.py and tests/test_done_frames.py
+ * hold them equal on random and hostile frames. */
 static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     int fd;
     unsigned int version, max_runs;
@@ -482,18 +483,20 @@ done:
     return out;
 }
 
-/* recv_run_table(fd, runs, bases, item_lens, algo, initial, chunk) -> bytes or None
+/* recv_run_table(fd, runs, bases, item_lens, num_pages, algo, initial, chunk) -> bytes or None
  * A WRITE frame's payload landed straight from its run table (24-byte records <buffer u32, flags u32,
  * offset u64, length u64>, already checked and accepted by the write guard): run i goes to
- * bases[buffer] + offset (bases: one uint64 address per buffer). With algo >= 0, as recv_runs_summed
- * (runs are whole items of item_lens[buffer] bytes, int64 per buffer): returns the item checksums;
+ * bases[buffer] + offset (bases: one uint64 address per buffer, each buffer num_pages items of
+ * item_lens[buffer] bytes, int64 per buffer; a run outside its buffer is a ValueError, whatever the
+ * guard said). With algo >= 0, as recv_runs_summed (runs are whole items): returns the item checksums;
  * with algo < 0 only lands (recv_runs) and returns None. The same as computing the addresses, lengths
  * and item lengths in numpy and calling recv_runs(_summed), without the arrays. */
 static PyObject *recv_run_table(PyObject *self, PyObject *args) {
     int fd, algo;
     Py_buffer runs, bases, items;
-    unsigned long long initial, chunk;
-    if (!PyArg_ParseTuple(args, "iy*y*y*iKK", &fd, &runs, &bases, &items, &algo, &initial, &chunk)) return NULL;
+    unsigned long long initial, chunk, num_pages;
+    if (!PyArg_ParseTuple(args, "iy*y*y*KiKK", &fd, &runs, &bases, &items, &num_pages, &algo, &initial, &chunk))
+        return NULL;
     PyObject *out = NULL;
     uint64_t *a = NULL;
     size_t n = (size_t)runs.len / 24, nbuf = (size_t)bases.len / 8;
@@ -520,6 +523,12 @@ static PyObject *recv_run_table(PyObject *self, PyObject *args) {
         if (buffer >= nbuf || length == 0 || item[buffer] <= 0 || (fn != NULL && length % (uint64_t)item[buffer])) {
             PyErr_Format(PyExc_ValueError, "recv_run_table: run %zu (buffer %u, %llu bytes) is not whole items of "
                          "a buffer of the layout", i, buffer, (unsigned long long)length);
+            goto done;
+        }
+        uint64_t size = (uint64_t)item[buffer] * num_pages;
+        if (num_pages > UINT64_MAX / (uint64_t)item[buffer] || offset > size || length > size - offset) {
+            PyErr_Format(PyExc_ValueError, "recv_run_table: run %zu (buffer %u, %llu bytes at offset %llu) is "
+                         "outside its buffer", i, buffer, (unsigned long long)length, (unsigned long long)offset);
             goto done;
         }
         a[i] = base[buffer] + offset;
@@ -1339,7 +1348,7 @@ static PyMethodDef methods[] = {
      "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered]) -> (status, kind, "
      "slot, generation, count, body_len, payload_len, header, body)"},
     {"recv_run_table", recv_run_table, METH_VARARGS,
-     "recv_run_table(fd, runs, bases, item_lens, algo, initial, chunk) -> bytes or None: land a WRITE frame's "
+     "recv_run_table(fd, runs, bases, item_lens, num_pages, algo, initial, chunk) -> bytes or None: land a WRITE frame's "
      "payload from its run table (item checksums with algo >= 0)"},
     {"recv_runs_summed", recv_runs_summed, METH_VARARGS,
      "recv_runs_summed(fd, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},

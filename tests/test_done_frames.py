@@ -217,8 +217,9 @@ def test_a_small_request_sends_its_done_in_the_binary_frame_and_a_long_aux_goes_
 
 
 @pytest.mark.parametrize("case", ["unknown algorithm", "id not UTF-8", "lengths past the body"])
-def test_a_hostile_done_frame_ends_that_connection_and_the_next_one_transfers(engines, case):
-    pair = engines()
+@pytest.mark.parametrize("transport_name", ["tcp", "shm"])
+def test_a_hostile_done_frame_ends_that_connection_and_the_next_one_transfers(engines, case, transport_name):
+    pair = engines(transport=transport_name)
     conn = pair.decode.receiver.peers[pair.peer].conn
     errors = pair.decode.stats()["data_path"]["protocol_errors"]
     pair.link.post_raw([BAD_FRAMES[case][0]])

@@ -127,6 +127,7 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
         with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
             send_without_waiting(p, rids, "a socket the receiver does not read")
             assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
+            assert link.ordered_rest == 0, "the WRITE frame itself was to be cut (its rest and DONE sent later)"
         all_readable(p, d, rids)
     finally:
         close_checked(made)
@@ -164,6 +165,7 @@ def test_an_ordered_frame_the_socket_takes_in_part_is_finished_by_a_sending_thre
             sender.join(5)
             assert not sender.is_alive() and returned, "send() waited for a socket the receiver does not read"
             assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
+            assert link.ordered_rest == 1, "the socket was to take the whole WRITE frame and part of the DONE"
             send_without_waiting(p, ["behind"], "a socket the receiver does not read")
         req = d.wait("long-aux", timeout=20)
         assert req.state is ReceiverState.READABLE and req.aux == aux, (req.state, req.error)

@@ -171,7 +171,8 @@ def test_landing_from_the_run_table_is_landing_from_address_arrays(seed):
     destination from the run table and the buffers' bases in C; random tables over buffers of different
     item sizes land the same bytes in the same places, with the same item checksums (adler32 and crc32),
     as recv_runs / recv_runs_summed given the addresses numpy computes. A table it cannot take (a buffer
-    outside the layout, a run not whole items when summing) is a ValueError before any byte is read."""
+    outside the layout, a run not whole items when summing, a run past its buffer's end) is a ValueError
+    before any byte is read."""
     from kvxfer.wire import frames as f
 
     rng = np.random.default_rng(seed)
@@ -196,8 +197,8 @@ def test_landing_from_the_run_table_is_landing_from_address_arrays(seed):
             try:
                 a.sendall(payload.tobytes())
                 if way == "table":
-                    raw = native.lib.recv_run_table(b.fileno(), runs, bases.tobytes(), items.tobytes(), algo,
-                                                    initial, 64 << 10)
+                    raw = native.lib.recv_run_table(b.fileno(), runs, bases.tobytes(), items.tobytes(), pages,
+                                                    algo, initial, 64 << 10)
                 else:
                     addresses = (bases[runs["buffer"]] + runs["offset"]).tobytes()
                     lengths = runs["length"].astype(np.uint64).tobytes()
@@ -219,10 +220,14 @@ def test_landing_from_the_run_table_is_landing_from_address_arrays(seed):
         bad = np.zeros(1, dtype=f.RUN_DTYPE)
         bad["buffer"], bad["length"] = 3, 4096
         with pytest.raises(ValueError, match="run 0 .buffer 3"):
-            native.lib.recv_run_table(b.fileno(), bad, bases, lens, 0, 1, 64 << 10)
+            native.lib.recv_run_table(b.fileno(), bad, bases, lens, pages, 0, 1, 64 << 10)
         bad["buffer"], bad["length"] = 1, 700  # not whole 512-byte items
         with pytest.raises(ValueError, match="not whole items"):
-            native.lib.recv_run_table(b.fileno(), bad, bases, lens, 0, 1, 64 << 10)
+            native.lib.recv_run_table(b.fileno(), bad, bases, lens, pages, 0, 1, 64 << 10)
+        for offset, length in ((pages * 512, 512), ((pages - 1) * 512, 1024), ((1 << 64) - 512, 512)):
+            bad["buffer"], bad["offset"], bad["length"] = 1, offset, length  # past the buffer's 32 items
+            with pytest.raises(ValueError, match="outside its buffer"):
+                native.lib.recv_run_table(b.fileno(), bad, bases, lens, pages, -1, 0, 64 << 10)
     finally:
         a.close()
         b.close()

@@ -610,8 +610,10 @@ class TcpReceiver(ReceiverBackend):
                     self.frames += 1
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED or header.kind is f.FrameKind.DONE:
-                    if header.body_len > self.max_ordered_body:  # refused before allocating or reading it
-                        raise ProtocolError(f"ORDERED frame body of {header.body_len} bytes exceeds "
+                    # refused before allocating or reading it (a DONE frame's body, at most DONE_BODY_MAX
+                    # bytes, is always within the smallest max_ordered_body and read with its header)
+                    if header.body_len > self.max_ordered_body:
+                        raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds "
                                             f"max_ordered_body ({self.max_ordered_body})")
                     if body is None:
                         body = bytearray(header.body_len)
@@ -673,8 +675,8 @@ class TcpReceiver(ReceiverBackend):
         sums = None
         if _C_RUN_TABLE_RECV is not None and runs.dtype == f.RUN_DTYPE and runs.flags.c_contiguous:
             algo = self._sum_fn if self._sum_fn is not None and summed else -1
-            raw = _C_RUN_TABLE_RECV(sock.fileno(), runs, self._dst_bases, self._item_lens, algo, self._sum_initial,
-                                    SUM_CHUNK)
+            raw = _C_RUN_TABLE_RECV(sock.fileno(), runs, self._dst_bases, self._item_lens, self.layout.num_pages,
+                                    algo, self._sum_initial, SUM_CHUNK)
             sums = None if raw is None else np.frombuffer(raw, dtype=np.uint32)
         elif native.lib is not None:
             sums = self._recv_runs_native(sock, runs, self._dst_base[runs["buffer"]] + runs["offset"], summed)
@@ -939,7 +941,8 @@ class TcpLink(FrameLink):
         self._init_lane(lanes)
         self._lost: str | None = None  # the receiver closed its end (the watcher saw it)
         self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
-        self.sent_with_ordered = 0  # write batches that left in one sendmsg with the ordered message behind them
+        self.sent_with_ordered = 0  # write batches that left with the ordered message right behind them
+        self.ordered_rest = 0  # the caller's thread sent a WRITE frame whole and its ordered frame only in part
         self.sent_prepared = 0  # ... of which prepared when the destination arrived (prepare)
         self.sent_inline = 0  # ... of which left from the posting thread (unhold), no lane involved
         self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
@@ -1214,6 +1217,8 @@ class TcpLink(FrameLink):
                 rest = unsent + frame
             else:
                 rest = frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
+                if rest:
+                    self.ordered_rest += 1
         except BaseException:
             job.on_complete(batch, 0, len(batch))
             raise

@@ -87,7 +87,7 @@ class FrameHeader:
 
 
 def parse_header(data: bytes | bytearray | memoryview, *, toward_writer: bool = False) -> FrameHeader:
-    """Parse and check a frame header. A receiver reads CONNECT, WRITE and ORDERED frames; a writer
+    """Parse and check a frame header. A receiver reads CONNECT, WRITE, ORDERED and DONE frames; a writer
     (``toward_writer``) reads RESULT frames only."""
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")

@@ -427,6 +427,22 @@ static void sum_items(checksum_fn fn, uint32_t init, const uint64_t *a, const ui
             sums[(*slot)++] = checksum_span(fn, init, (const uint8_t *)(uintptr_t)(a[i] + off), it[i]);
 }
 
+/* Land runs [0, n) from fd in groups of about `chunk` bytes, checksumming every item of a group right
+ * after it landed (while it is in cache) into sums[]; 0, an errno, or -1 for EOF. GIL not held. */
+static int recv_summed(int fd, checksum_fn fn, uint32_t init, const uint64_t *a, const uint64_t *l, const uint64_t *it,
+                       size_t n, size_t chunk, uint32_t *sums) {
+    size_t first = 0, slot = 0;
+    while (first < n) {
+        size_t end = first, bytes = 0;
+        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
+        int rc = recv_range(fd, a, l, first, end, chunk);
+        if (rc) return rc;
+        sum_items(fn, init, a, l, it, first, end, sums, &slot);
+        first = end;
+    }
+    return 0;
+}
+
 /* Shared argument checks of the *_summed functions; returns the item count or -1. */
 static Py_ssize_t summed_items(Py_buffer *addrs, Py_buffer *lens, Py_buffer *items, size_t *n) {
     if (parse_runs(addrs, lens, n) < 0) return -1;
@@ -464,16 +480,9 @@ static PyObject *recv_runs_summed(PyObject *self, PyObject *args) {
     if (out == NULL) goto done;
     const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
     uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
-    int rc = 0;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    size_t first = 0, slot = 0;
-    while (first < n && rc == 0) {
-        size_t end = first, bytes = 0;
-        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
-        rc = recv_range(fd, a, l, first, end, (size_t)chunk);
-        if (rc == 0) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
-        first = end;
-    }
+    rc = recv_summed(fd, fn, (uint32_t)initial, a, l, it, n, (size_t)chunk, sums);
     Py_END_ALLOW_THREADS
     if (rc) { raise_recv(rc); Py_CLEAR(out); }
 done:
@@ -549,14 +558,7 @@ static PyObject *recv_run_table(PyObject *self, PyObject *args) {
     if (out == NULL) goto done;
     uint32_t *sums = (uint32_t *)PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    size_t first = 0, slot = 0;
-    while (first < n && rc == 0) {
-        size_t end = first, bytes = 0;
-        while (end < n && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
-        rc = recv_range(fd, a, l, first, end, (size_t)chunk);
-        if (rc == 0) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
-        first = end;
-    }
+    rc = recv_summed(fd, fn, (uint32_t)initial, a, l, it, n, (size_t)chunk, sums);
     Py_END_ALLOW_THREADS
     if (rc) { raise_recv(rc); Py_CLEAR(out); }
 done:

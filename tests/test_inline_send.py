@@ -58,6 +58,25 @@ def all_readable(p: PrefillEngine, d: DecodeEngine, rids: list[str]) -> None:
         p.wait(rid, timeout=10)
 
 
+def admitted_pair(made: list, rids: list[str], tokens: int, *, seed: int, item: int | None = None):
+    """A keyed prefill and decode (appended to ``made`` for close_checked), peered, with ``rids`` admitted on
+    both and their source pages filled (seeds ``seed``, ``seed + 1``, ...): (prefill, decode, data link)."""
+    rings = Keyring.cluster(["prefill", "decode"])
+    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
+    sized = {} if item is None else {"item": item}
+    p = PrefillEngine(make_layout(64, **sized), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
+    made.append(p)
+    d = DecodeEngine(make_layout(128, **sized), EngineConfig(**{**vars(config), "keyring": rings["decode"]}))
+    made.append(d)
+    peer = d.connect(p.address)
+    for i, rid in enumerate(rids):
+        d.admit(rid, tokens, peer=peer)
+        p.admit(rid, tokens)
+        fill_random(p.layout, p.sender.source_pages(rid), seed=seed + i)
+        p.wait_ready(rid, timeout=10)
+    return p, d, p.peers[d.engine_id].link
+
+
 def until_idle(link) -> None:
     """Until no sending thread holds or is due to serve ``link`` and nothing is queued: the state in which a
     small request leaves from the caller's thread. A new shm link schedules one step of its own (its first
@@ -105,24 +124,11 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
     the connection's send buffer is small: send() of a 240 KiB request still returns at once, the part
     the socket did not take is sent by a sending thread, and once the decode reads again the request
     is READABLE with the prefill's bytes. A request posted meanwhile goes behind it, in order."""
-    rings = Keyring.cluster(["prefill", "decode"])
-    item = 16 << 10  # 3 buffers: 48 KiB a page; 5 pages fit one frame with DONE (256 KiB)
-    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
-    made = []
+    made: list = []
     try:
-        p = PrefillEngine(make_layout(64, item=item), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
-        made.append(p)
-        d = DecodeEngine(make_layout(128, item=item), EngineConfig(**{**vars(config), "keyring": rings["decode"]}))
-        made.append(d)
-        peer = d.connect(p.address)
-        tokens = 5 * PAGE_TOKENS
         rids = ["big-0", "big-1"]
-        for i, rid in enumerate(rids):
-            d.admit(rid, tokens, peer=peer)
-            p.admit(rid, tokens)
-            fill_random(p.layout, p.sender.source_pages(rid), seed=100 + i)
-            p.wait_ready(rid, timeout=10)
-        link = p.peers[d.engine_id].link
+        # 3 buffers of 16 KiB: 48 KiB a page; 5 pages fit one frame with DONE (256 KiB)
+        p, d, link = admitted_pair(made, rids, 5 * PAGE_TOKENS, seed=100, item=16 << 10)
         link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
             send_without_waiting(p, rids, "a socket the receiver does not read")
@@ -139,22 +145,10 @@ def test_an_ordered_frame_the_socket_takes_in_part_is_finished_by_a_sending_thre
     the send buffer is small), so the DONE's tail goes from a sending thread. send() returns at once, and
     once the decode reads again the request is READABLE with the prefill's bytes and the whole aux; a
     request posted meanwhile goes behind it."""
-    rings = Keyring.cluster(["prefill", "decode"])
-    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
-    made = []
+    made: list = []
     try:
-        p = PrefillEngine(make_layout(64), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
-        made.append(p)
-        d = DecodeEngine(make_layout(128), EngineConfig(**{**vars(config), "keyring": rings["decode"]}))
-        made.append(d)
-        peer = d.connect(p.address)
         rids = ["long-aux", "behind"]
-        for i, rid in enumerate(rids):
-            d.admit(rid, PAGE_TOKENS, peer=peer)
-            p.admit(rid, PAGE_TOKENS)
-            fill_random(p.layout, p.sender.source_pages(rid), seed=200 + i)
-            p.wait_ready(rid, timeout=10)
-        link = p.peers[d.engine_id].link
+        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=200)
         until_idle(link)
         link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         aux = bytes(range(256)) * (900 * 4)

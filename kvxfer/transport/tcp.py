@@ -95,7 +95,8 @@ SUM_CHUNK = getattr(native.lib, "RECV_GROUP", 64 << 10)
 SEND_SUM_CHUNK = getattr(native.lib, "SEND_GROUP", 1 << 20)
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 # a write batch at most this large, with an ordered message (its DONE) queued right behind it, leaves
-# with that message in one sendmsg: its item checksums are taken before sending instead of during it
+# as one WRITE frame with that message's frame right behind it: its item checksums are taken after the
+# WRITE frame went (while the receiver lands it) instead of during the send
 WITH_ORDERED_MAX_BYTES = 256 << 10
 WITH_ORDERED_MAX_RUNS = 256
 _SCRATCH = 64 << 10  # a refused write's payload is read through this, made on a connection's first refusal
@@ -180,7 +181,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 # the C reader of frame heads, where the built extension knows this protocol's DONE frame
 _C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head")
                  and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX
-        and getattr(native.lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
+                 and getattr(native.lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
 # lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
 _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
@@ -191,8 +192,8 @@ def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameH
     """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for a DONE frame
     its DONE (a :class:`~kvxfer.wire.messages.Done`), for an ORDERED frame of at most ``max_ordered`` body
     bytes its body (bytes), read and checked in C
-    (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`
-    and :func:`~kvxfer.wire.frames.parse_runs`); other bodies stay in the socket (None). A frame C refuses
+    (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`,
+    :func:`~kvxfer.wire.frames.parse_runs` and :func:`~kvxfer.wire.frames.parse_done`); other bodies stay in the socket (None). A frame C refuses
     is parsed by the Python rules, which raise the ProtocolError naming the rule."""
     status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
         sock.fileno(), *_FRAME_LIMITS, max_ordered)
@@ -1137,13 +1138,14 @@ class TcpLink(FrameLink):
 
     @staticmethod
     def _ordered_frame(job: OrderedJob) -> bytes:
-        """The ORDERED frame of ``job``, its message built now (DONE: behind every write before it)."""
+        """The frame of ``job``'s message (a DONE frame, or ORDERED: :func:`~kvxfer.wire.frames.ordered_frame`),
+        the message built now (DONE: behind every write before it)."""
         msg = job.msg() if callable(job.msg) else job.msg
         return f.ordered_frame(msg, slot=job.slot, generation=job.gen)
 
     def _leaves_with_next(self, job: Any) -> bool:
         """Under ``_cond``, the queue not empty: whether ``job`` and the ordered job queued behind it
-        leave in one sendmsg (a small request's writes and its DONE)."""
+        leave in one step, the WRITE frame first (a small request's writes and its DONE)."""
         if not isinstance(job, WriteJob) or not isinstance(self._queue[0], OrderedJob):
             return False
         return not job.batch.cancelled and self._sends_whole(job.batch)

@@ -645,6 +645,48 @@ static PyObject *send_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Send the prefix, then runs [0, n), with MSG_DONTWAIT until everything left or the socket's buffer is
+ * full (EAGAIN); adds the bytes that left to *total. Returns 0 or an errno (never EAGAIN). GIL not held. */
+static int send_nowait(int fd, const char *prefix, size_t prefix_len, const uint64_t *a, const uint64_t *l, size_t n,
+                       unsigned long long *total) {
+    /* piece i: -1 is the prefix, then the runs; `off` bytes of piece i are gone */
+    long i = -1;
+    size_t off = 0;
+    for (;;) {
+        while (i < (long)n && (i < 0 ? prefix_len : (size_t)l[i]) == off) { i++; off = 0; }
+        if (i >= (long)n) return 0;
+        struct iovec iov[IOV_BATCH];
+        int k = 0;
+        for (long j = i; j < (long)n && k < IOV_BATCH; j++) {
+            const char *base = j < 0 ? prefix : (const char *)(uintptr_t)a[j];
+            size_t len = j < 0 ? prefix_len : (size_t)l[j];
+            size_t skip = j == i ? off : 0;
+            if (len > skip) {
+                iov[k].iov_base = (void *)(base + skip);
+                iov[k].iov_len = len - skip;
+                k++;
+            }
+        }
+        if (k == 0) return 0;
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)k;
+        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : errno;
+        }
+        *total += (unsigned long long)r;
+        size_t sent = (size_t)r;
+        while (sent > 0 && i < (long)n) {
+            size_t left = (i < 0 ? prefix_len : (size_t)l[i]) - off;
+            if (sent >= left) { sent -= left; i++; off = 0; }
+            else { off += sent; sent = 0; }
+        }
+    }
+}
+
 /* send_runs_nowait(fd, prefix, addresses, lengths) -> int
  * Like send_runs, but never waits for room in the socket: sendmsg with MSG_DONTWAIT until everything
  * left or the socket's buffer is full (EAGAIN), and returns how many bytes (prefix first) left. The
@@ -661,54 +703,74 @@ static PyObject *send_runs_nowait(PyObject *self, PyObject *args) {
         PyBuffer_Release(&lens);
         return NULL;
     }
-    int err = 0;
+    int err;
     unsigned long long total = 0;
     Py_BEGIN_ALLOW_THREADS
-    const uint64_t *a = (const uint64_t *)addrs.buf;
-    const uint64_t *l = (const uint64_t *)lens.buf;
-    /* piece i: -1 is the prefix, then the runs; `off` bytes of piece i are gone */
-    long i = -1;
-    size_t off = 0;
-    for (;;) {
-        while (i < (long)n && (i < 0 ? (size_t)prefix.len : (size_t)l[i]) == off) { i++; off = 0; }
-        if (i >= (long)n) break;
-        struct iovec iov[IOV_BATCH];
-        int k = 0;
-        for (long j = i; j < (long)n && k < IOV_BATCH; j++) {
-            const char *base = j < 0 ? (const char *)prefix.buf : (const char *)(uintptr_t)a[j];
-            size_t len = j < 0 ? (size_t)prefix.len : (size_t)l[j];
-            size_t skip = j == i ? off : 0;
-            if (len > skip) {
-                iov[k].iov_base = (void *)(base + skip);
-                iov[k].iov_len = len - skip;
-                k++;
-            }
-        }
-        if (k == 0) break;
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = iov;
-        msg.msg_iovlen = (size_t)k;
-        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) err = errno;
-            break;
-        }
-        total += (unsigned long long)r;
-        size_t sent = (size_t)r;
-        while (sent > 0 && i < (long)n) {
-            size_t left = (i < 0 ? (size_t)prefix.len : (size_t)l[i]) - off;
-            if (sent >= left) { sent -= left; i++; off = 0; }
-            else { off += sent; sent = 0; }
-        }
-    }
+    err = send_nowait(fd, (const char *)prefix.buf, (size_t)prefix.len, (const uint64_t *)addrs.buf,
+                      (const uint64_t *)lens.buf, n, &total);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&prefix);
     PyBuffer_Release(&addrs);
     PyBuffer_Release(&lens);
     if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
     return PyLong_FromUnsignedLongLong(total);
+}
+
+/* send_summed_done(fd, addresses, lengths, item_lens, algo, initial, done, sum_at) -> (int, int)
+ * A small request's DONE, sent right behind its WRITE frame (which the caller sent first, so the
+ * receiver lands it meanwhile): every item's checksum (the runs are whole items of item_lens[i] bytes,
+ * each summed from `initial`) combined in order into the request's checksum, stored little-endian at
+ * done[sum_at:sum_at + 4] (a DONE frame built with checksum 0: its checksum field), then the DONE frame
+ * sent without waiting for the socket (as send_runs_nowait). Returns (bytes of the DONE frame that
+ * left, the checksum); the caller sends the rest. Errors other than a full socket raise OSError. */
+static PyObject *send_summed_done(PyObject *self, PyObject *args) {
+    int fd, algo;
+    Py_buffer addrs, lens, items, done;
+    unsigned long long initial;
+    Py_ssize_t sum_at;
+    size_t n;
+    if (!PyArg_ParseTuple(args, "iy*y*y*iKw*n", &fd, &addrs, &lens, &items, &algo, &initial, &done, &sum_at))
+        return NULL;
+    PyObject *out = NULL;
+    checksum_fn fn = pick_checksum(algo);
+    if (fn == NULL || summed_items(&addrs, &lens, &items, &n) < 0) goto end;
+    if (algo == 1 && crc_combine_gen == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "zlib-ng's crc32 combination not loaded");
+        goto end;
+    }
+    if (sum_at < 0 || sum_at + 4 > done.len) {
+        PyErr_SetString(PyExc_ValueError, "sum_at is outside the DONE frame");
+        goto end;
+    }
+    int err;
+    unsigned long long done_sent = 0;
+    uint32_t acc = (uint32_t)initial;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
+    uint64_t op_len = 0;
+    uint32_t op = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (algo == 1 && it[i] != op_len) {
+            op = crc_combine_gen((int64_t)it[i]);
+            op_len = it[i];
+        }
+        for (uint64_t off = 0; off < l[i]; off += it[i]) {
+            uint32_t sum = checksum_span(fn, (uint32_t)initial, (const uint8_t *)(uintptr_t)(a[i] + off), it[i]);
+            acc = algo == 0 ? adler_combine(acc, sum, (int64_t)it[i]) : crc_combine_op(acc, sum, op);
+        }
+    }
+    uint8_t *field = (uint8_t *)done.buf + sum_at;
+    for (int k = 0; k < 4; k++) field[k] = (uint8_t)(acc >> (8 * k));
+    err = send_nowait(fd, (const char *)done.buf, (size_t)done.len, NULL, NULL, 0, &done_sent);
+    Py_END_ALLOW_THREADS
+    if (err) { errno = err; PyErr_SetFromErrno(PyExc_OSError); goto end; }
+    out = Py_BuildValue("Kk", done_sent, (unsigned long)acc);
+end:
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    PyBuffer_Release(&done);
+    return out;
 }
 
 /* send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> bytes
@@ -1357,6 +1419,8 @@ static PyMethodDef methods[] = {
     {"send_runs", send_runs, METH_VARARGS, "send_runs(fd, prefix, addresses, lengths): gather-send runs"},
     {"send_runs_nowait", send_runs_nowait, METH_VARARGS,
      "send_runs_nowait(fd, prefix, addresses, lengths) -> int: gather-send without waiting; bytes sent"},
+    {"send_summed_done", send_summed_done, METH_VARARGS,
+     "send_summed_done(fd, addresses, lengths, item_lens, algo, initial, done, sum_at) -> (done sent, checksum)"},
     {"send_runs_summed", send_runs_summed, METH_VARARGS,
      "send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"guard_accept", guard_accept, METH_VARARGS,

@@ -186,6 +186,64 @@ def test_the_c_reader_parses_done_frames_as_parse_done_does(seed):
     assert min(outcomes.values()) > 150, outcomes
 
 
+# a small request's DONE summed and sent in one C call (send_summed_done) ----------------------------------
+
+@pytest.mark.skipif(tcp._C_SEND_SUMMED_DONE is None or not native.checksums_in_c,
+                    reason=f"needs kvxfer._native's send_summed_done and zlib-ng's checksums in C ({native.describe()})")
+@pytest.mark.parametrize("seed", range(3))
+def test_the_done_summed_in_the_send_carries_the_checksum_of_the_bytes_in_run_order(seed):
+    """Random runs of whole items (64 B to 4 KiB) over random bytes: the DONE frame that arrives carries, in
+    its checksum field, the checksum of every run's bytes in order (each item summed, then combined), and
+    every other byte of the frame as it was built; a socket whose buffer is full takes none of it and
+    the caller sends the frame, filled in."""
+    import numpy as np
+
+    from kvxfer.core.checksum import ChecksumAlgo, native_id
+
+    rng = random.Random(seed)
+    memory = np.frombuffer(rng.randbytes(1 << 20), dtype=np.uint8).copy()
+    base = memory.ctypes.data
+    for _ in range(60):
+        algo = rng.choice([ChecksumAlgo.ADLER32, ChecksumAlgo.CRC32])
+        runs = []
+        for _ in range(rng.randint(1, 6)):
+            item = rng.choice([64, 128, 4096])
+            count = rng.randint(1, 4)
+            runs.append((rng.randrange(0, len(memory) - count * item), count * item, item))
+        done = m.Done(rid=_random_rid(rng), gen=rng.getrandbits(64), bytes=rng.getrandbits(40), pages=len(runs),
+                      checksum=0, algo=algo.value, aux=rng.randbytes(rng.choice([0, 7, 300])))
+        frame = bytearray(f.done_frame(done, slot=rng.getrandbits(32)))
+        built = bytes(frame)
+        addresses, lengths, items = (struct.pack(f"<{len(runs)}Q", *(r[i] + (base if i == 0 else 0) for r in runs))
+                                     for i in range(3))
+        left, right = socket.socketpair()
+        with left, right:
+            full = rng.random() < 0.3  # the socket's buffer full: nothing of the frame leaves
+            junk = 0
+            if full:
+                left.setblocking(False)
+                try:
+                    while True:
+                        junk += left.send(bytes(65536))
+                except BlockingIOError:
+                    pass
+            sent, checksum = tcp._C_SEND_SUMMED_DONE(left.fileno(), addresses, lengths, items, native_id(algo),
+                                                     algo.initial, frame, f.DONE_CHECKSUM_AT)
+            assert sent == (0 if full else len(frame))
+            if full:
+                right.recv_into(bytearray(junk), junk, socket.MSG_WAITALL)
+                left.setblocking(True)
+                left.sendall(frame[sent:])  # the caller sends the rest: the frame as filled in
+            got = bytearray(len(frame))
+            right.recv_into(got, len(frame), socket.MSG_WAITALL)
+        expected = algo.update(b"".join(memory[o : o + n].tobytes() for o, n, _ in runs), algo.initial)
+        assert checksum == expected
+        arrived = f.parse_done(f.parse_header(got[: f.HEADER_SIZE]), got[f.HEADER_SIZE :])
+        assert arrived.checksum == expected
+        assert got[: f.DONE_CHECKSUM_AT] + got[f.DONE_CHECKSUM_AT + 4 :] == (
+            built[: f.DONE_CHECKSUM_AT] + built[f.DONE_CHECKSUM_AT + 4 :])
+
+
 # over real engines ------------------------------------------------------------------------------------------
 
 pytestmark_engines = pytest.mark.parametrize("transport_name", ["tcp", "shm"])
@@ -250,3 +308,35 @@ def test_a_forged_done_frame_is_held_to_the_same_verification(engines):
     with pytest.raises(Exception, match="not readable|FAILED|failed"):
         pair.decode.read("forged")
     pair.prefill.abort("forged")
+
+
+@pytest.mark.skipif(tcp._C_SEND_SUMMED_DONE is None or not native.checksums_in_c,
+                    reason=f"needs kvxfer._native's send_summed_done and zlib-ng's checksums in C ({native.describe()})")
+@pytest.mark.parametrize("inline", [True, False], ids=["caller-thread", "lanes"])
+@pytest.mark.parametrize("checksum", ["adler32", "crc32"])
+def test_small_requests_are_summed_in_their_send_and_verified_in_one_pass(engines, checksum, inline):
+    """Production links (no fault injection) over tcp: each small request's DONE leaves summed in the one C
+    call behind its WRITE frame, from the caller's thread and from a sending lane; its checksum is the
+    source pages' own (the reference Python sum), the decode verifies it in one pass, and the bytes arrive
+    exact. A request over DONE's binary layout (long aux) takes the other path and is verified as well."""
+    from kvxfer.core.checksum import ChecksumAlgo, checksum_pages
+
+    pair = engines(fault_injection=False, checksum=checksum, transport_options={"tcp": {"inline_send": inline}})
+    link = pair.link
+    filled, at_once = link.done_filled, pair.decode.receiver.stats["verified_at_once"]
+    for i, pages in enumerate([1, 2, 8, 3]):
+        src = pair.transfer(f"r{i}", pages * PAGE_TOKENS, seed=i)
+        req = pair.decode.wait(f"r{i}", timeout=10)
+        assert req.state is R.READABLE, req.error
+        assert req.writing[0].claim.checksum == checksum_pages(pair.prefill.layout, src, ChecksumAlgo.parse(checksum))
+        pair.expect_content(f"r{i}", src)
+        assert pair.prefill.wait(f"r{i}", timeout=10).state.value == "SUCCEEDED"
+    assert link.done_filled == filled + 4
+    assert pair.decode.receiver.stats["verified_at_once"] == at_once + 4
+    pair.prefill.admit("long-aux", PAGE_TOKENS, peer=pair.decode.engine_id)
+    pair.decode.admit("long-aux", PAGE_TOKENS, peer=pair.peer)
+    pair.prefill.wait_ready("long-aux")
+    pair.prefill.send("long-aux", aux=bytes(f.DONE_AUX_MAX + 1))
+    assert pair.decode.wait("long-aux", timeout=10).state is R.READABLE
+    assert link.done_filled == filled + 4
+

@@ -256,3 +256,55 @@ def test_the_c_ledger_move_is_the_python_rule(seed):
         moved += results[0][1] == "moved"
         refused += results[0][1] == "refused"
     assert moved > 100 and refused > 100, (moved, refused)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_one_pass_verification_makes_readable_only_what_the_full_verification_passes(seed):
+    """``verified_move`` (a small request's coverage, landed checksum and move to READABLE in one pass in
+    C) against ``verify_completion`` and the ledger's own move on the Python-rules guard: over random
+    writes, page sets (covered, partly covered, another owner's, raced to READABLE) and claims (the
+    landed checksum, another one), it moves the pages exactly when the full verification passes and the
+    pages are WRITTEN for the generation, and changes nothing otherwise."""
+    from kvxfer.core.pool import PagePool
+    from kvxfer.core.verify import Claim, verify_completion
+    from kvxfer.errors import PageStateError, VerificationFailed
+
+    rng = np.random.default_rng(300 + seed)
+    items = [int(x) for x in rng.choice([64, 128, 4096], size=int(rng.integers(1, 4)))]
+    pairs, mine, theirs = _guard_pair(items)
+    (c, _), (py, _) = pairs
+    pool = PagePool(py.layout)  # verify_completion reads the layout and the (keep) free policy of it
+    algos = [ChecksumAlgo.NONE] + [a for a in (ChecksumAlgo.ADLER32, ChecksumAlgo.CRC32) if native_id(a) is not None]
+    outcomes = {True: 0, False: 0}
+    for step in range(600):
+        runs = _runs(_random_table(rng, items, mine, theirs, max_pages=int(rng.choice([1, 3, 12]))))
+        for guard in (c, py):
+            try:
+                window, counts = guard.check("c", 1, 7, runs)
+            except WriteRefused:
+                continue
+            guard.record(window, runs, counts, np.random.default_rng(step).integers(
+                0, 1 << 32, int(np.asarray(counts).sum()), dtype=np.uint32))
+        first = int(rng.integers(0, len(mine) - 1))
+        pages = [mine[first : first + int(rng.integers(1, 9))], theirs[:2], mine[8:12]][int(rng.choice(3, p=[.8, .1, .1]))]
+        algo = algos[int(rng.integers(0, len(algos)))]
+        landed = py.landed_checksum(pages, algo) if algo is not ChecksumAlgo.NONE else 0
+        claimed = landed if landed is not None and rng.random() < 0.8 else int(rng.integers(0, 1 << 32))
+        claim = Claim(bytes=py.layout.bytes_for_pages(len(pages)), pages=len(pages), checksum=claimed, algo=algo.value)
+        try:
+            verify_completion(pool, py, rid="a", gen=7, pages=pages, claim=claim, algo=algo,
+                              actual_checksum=None if algo is ChecksumAlgo.NONE else landed)
+            py.ledger.move(pages, 7, PageState.READABLE, allowed=(PageState.WRITTEN,))
+            expected = True
+        except (VerificationFailed, PageStateError, TypeError):  # TypeError: no landed checksum to compare
+            expected = False
+        before = c.ledger.state.copy()
+        moved = c.verified_move(pages, 7, claimed, algo, PageState.WRITTEN, PageState.READABLE)
+        assert moved is expected, (pages, algo, claimed, landed)
+        if moved:
+            assert (c.ledger.state[pages] == PageState.READABLE).all()
+            c.ledger.state[pages] = py.ledger.state[pages] = PageState.WRITTEN  # as before, for the next steps
+        else:
+            assert np.array_equal(c.ledger.state, before)
+        outcomes[moved] += 1
+    assert min(outcomes.values()) > 15, outcomes

@@ -142,6 +142,11 @@ class PagePool:
             for off in offsets:
                 view[pages, off : off + 8] = self._poison
 
+    @property
+    def poisons(self) -> bool:
+        """Whether freed pages are poisoned (completion verification then looks for the pattern)."""
+        return self.free_policy is FreePolicy.POISON
+
     def poisoned(self, pages: np.ndarray) -> np.ndarray:
         """Pages (of ``pages``) where some buffer still holds a poison word: nobody wrote them."""
         if self.free_policy is not FreePolicy.POISON or pages.size == 0:

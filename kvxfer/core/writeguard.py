@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import WriteRefused
 from . import native as _native
-from .checksum import combine, native_id
+from .checksum import ChecksumAlgo, combine, native_id
 from .layout import KVLayout
 from .ledger import WRITABLE_STATES, PageLedger, PageState
 from .pagesets import all_set, any_set, total
@@ -478,6 +478,29 @@ class WriteGuard:
             values = self.item_sum[:, pages].reshape(-1)
         lengths = np.repeat(self.layout.item_lens, len(pages))
         return combine(algo, values, lengths)
+
+    def verified_move(self, pages: np.ndarray, gen: int, claimed: int, algo: Any, written: int, readable: int) -> bool:
+        """A whole-page request's coverage and checksum checks, and its pages moved from ``written`` to
+        ``readable``, in one pass in C (``guard_landed``, then ``ledger_move``): True when every page is
+        covered in every buffer, the checksum combined from the landed item checksums equals ``claimed``
+        (``algo`` none: not compared) and every page is ``written`` and stamped ``gen``, and they moved.
+        False, nothing changed, otherwise, or without the C twins or with a final write owed (verbs):
+        :func:`~kvxfer.core.verify.verify_completion` then decides and names what differs."""
+        if self._c is None or not hasattr(self._c, "ledger_move") or self.requires_final or not len(pages):
+            return False
+        algo_id = native_id(algo)
+        if algo_id is None and algo is not ChecksumAlgo.NONE:
+            return False
+        with self.lock:
+            pages = np.ascontiguousarray(pages, dtype=np.int64)
+            uncovered, actual = self._c.guard_landed(
+                pages, self._item_lens_c, self.layout.num_pages, self._covered_flat, self._summed_flat,
+                self._item_sum_flat, -1 if algo_id is None else algo_id, algo.initial)
+            if uncovered or (algo_id is not None and actual != claimed):
+                return False
+            ledger = self.ledger
+            return bool(self._c.ledger_move(pages, ledger.state, ledger.generation, gen, 1 << int(written),
+                                            int(readable)))
 
     def uncovered(self, pages: np.ndarray) -> np.ndarray:
         """Pages (of ``pages``) not covered in every buffer."""

@@ -58,6 +58,9 @@ class EngineMetrics:
                                  "admission to verified (decode) / to the receiver's verdict (prefill)",
                                  ["role"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_Snapshot(engine))
+        # the labelled children, looked up once: observe runs under the engine lock on every transition
+        self._latency = self.latency.labels(self.role)
+        self._outcomes: dict[Any, Any] = {}
         self._server: Any = None
         self._thread: Any = None
         self.address: str | None = None
@@ -65,10 +68,13 @@ class EngineMetrics:
     def observe(self, fsm: Lifecycle, old: Any, reason: str) -> None:
         """Lifecycle observer: outcome counts and latency."""
         state = fsm.state
-        if state in (ReceiverState.READABLE, SenderState.SUCCEEDED):
-            self.latency.labels(self.role).observe(fsm.age)
+        if state is ReceiverState.READABLE or state is SenderState.SUCCEEDED:
+            self._latency.observe(fsm.age)
         if fsm.terminal:
-            self.transfers.labels(self.role, state.value).inc()
+            outcome = self._outcomes.get(state)
+            if outcome is None:
+                outcome = self._outcomes[state] = self.transfers.labels(self.role, state.value)
+            outcome.inc()
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint; returns its URL."""

@@ -126,6 +126,25 @@ class DoneBuilder:
             return checksum_addresses(self.layout.device, addresses, lengths, self.algo)
         return checksum_pages(self.layout, self.src, self.algo)
 
+    def unsummed(self) -> m.Done | None:
+        """The DONE this builder builds, with checksum 0, when its checksum is the combination, in order,
+        of the item checksums of its one batch of whole pages (no write log, nothing cancelled, the sums
+        taken by the transport): a transport that sums the batch as it sends it fills the checksum in
+        (the number :meth:`checksum` would compute from those sums) and calls :meth:`built` once it sent
+        it. None otherwise: the transport calls the builder when the batch has left."""
+        if self.atoms is not None or self.write_log or len(self.batches) != 1:
+            return None
+        batch = self.batches[0]
+        if batch.cancelled or batch.units is not None or batch.sums_ready is not None:
+            return None
+        return m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
+                      pages=int(self.src.size), checksum=0, algo=self.algo.value, aux=self.aux)
+
+    def built(self) -> None:
+        """DONE was built (or sent filled in, :meth:`unsummed`): the transport reads no source page for it."""
+        if self.on_built is not None:
+            self.on_built()
+
     def __call__(self) -> m.Message:
         """DONE, or a writer ABORT when some of the leg's writes were cancelled before they left (the
         request failed meanwhile): DONE must never claim writes that were not sent. Built on the
@@ -149,8 +168,7 @@ class DoneBuilder:
             log.exception("request %r generation %d: building DONE failed", self.rid, self.gen)
             return m.Abort(rid=self.rid, gen=self.gen, reason="internal", detail=f"building DONE failed: {exc}")
         finally:
-            if self.on_built is not None:
-                self.on_built()
+            self.built()
 
 
 class SenderLink(Protocol):

@@ -67,6 +67,7 @@ class FrameLink(SenderLink, LaneLink):
         algo = ChecksumAlgo.parse(checksum) if checksum is not None else ChecksumAlgo.NONE
         self._sum_fn = native_id(algo)  # item checksums taken while sending, in the same C loop
         self._sum_initial = algo.initial if self._sum_fn is not None else 0
+        self._sum_algo = algo.value  # DONE names it: a DONE of another algorithm is not summed in the send
         self.conn_id = conn_id
         self.epoch = conn_id[1]
         self._on_closed = on_closed

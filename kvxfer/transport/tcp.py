@@ -184,6 +184,7 @@ _C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head"
                  and getattr(native.lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
 # lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
 _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
+_C_SEND_SUMMED_DONE = native.lib.send_summed_done if native.provides("send_summed_done") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
@@ -944,6 +945,7 @@ class TcpLink(FrameLink):
         self._corked = False  # TCP_CORK is set: the last job's partial segment waits for the next job's bytes
         self.sent_with_ordered = 0  # write batches that left with the ordered message right behind them
         self.ordered_rest = 0  # the caller's thread sent a WRITE frame whole and its ordered frame only in part
+        self.done_filled = 0  # DONE frames whose checksum the C send filled in from the sums it took (send_summed_done)
         self.sent_prepared = 0  # ... of which prepared when the destination arrived (prepare)
         self.sent_inline = 0  # ... of which left from the posting thread (unhold), no lane involved
         self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
@@ -1209,18 +1211,27 @@ class TcpLink(FrameLink):
             else:
                 sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses, wire.lengths)
                 unsent = _unsent(wire, sent) if sent < len(wire.prefix) + wire.nbytes else b""
-            if self._sum_fn is not None and batch.sums_ready is None:
-                raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
-                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
-            frame = self._ordered_frame(ordered)
-            if wait:
-                send_all(self._sock, [frame])
-            elif unsent:
-                rest = unsent + frame
+            filled = None if unsent else self._unsummed_done(batch, ordered)
+            if filled is not None:  # the sums, DONE's checksum and its send in one C call
+                frame, builder = filled
+                try:
+                    done_sent, _checksum = _C_SEND_SUMMED_DONE(fd, *wire.payload, self._sum_fn, self._sum_initial,
+                                                               frame, f.DONE_CHECKSUM_AT)
+                finally:
+                    builder.built()
+                self.done_filled += 1
+                rest = bytes(frame[done_sent:])
             else:
-                rest = frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
-                if rest:
-                    self.ordered_rest += 1
+                if self._sum_fn is not None and batch.sums_ready is None:
+                    raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
+                    self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
+                frame = self._ordered_frame(ordered)
+                rest = unsent + frame if unsent or wait else frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
+            if rest and not unsent and not wait:
+                self.ordered_rest += 1  # the WRITE frame left whole, the ordered frame in part
+            if wait and rest:
+                send_all(self._sock, [rest])
+                rest = b""
         except BaseException:
             job.on_complete(batch, 0, len(batch))
             raise
@@ -1228,6 +1239,20 @@ class TcpLink(FrameLink):
         self.sent_with_ordered += 1
         job.on_complete(batch, len(batch), 0)
         return rest
+
+    def _unsummed_done(self, batch: WriteBatch, ordered: OrderedJob) -> tuple[bytearray, Any] | None:
+        """The DONE frame behind ``batch``, its checksum 0, and its builder, when one C call can sum the
+        batch's items, fill the checksum in and send it (``send_summed_done``): DONE's builder offers it
+        (:meth:`~kvxfer.engine.sender.DoneBuilder.unsummed`), its algorithm is this link's, and it fits
+        the binary layout. None: the message is built as its own step builds it."""
+        unsummed = getattr(ordered.msg, "unsummed", None)
+        if unsummed is None or _C_SEND_SUMMED_DONE is None or self._sum_fn is None or batch.sums_ready is not None:
+            return None
+        msg = unsummed()
+        if msg is None or msg.algo != self._sum_algo:
+            return None
+        frame = f.done_frame(msg, slot=ordered.slot)
+        return None if frame is None else (bytearray(frame), ordered.msg)
 
     def _send_batch(self, job: WriteJob) -> None:
         if not job.batch.wait_sources():  # cancelled, or its ready event failed: nothing of it is sent

@@ -181,6 +181,7 @@ DONE_AUX_MAX = 4096  # a DONE with more aux (or with a write log) travels as an 
 DONE_RID_MAX = MAX_RID_STR * 4  # UTF-8 bytes of the longest string request id
 DONE_BODY_MAX = DONE_FIXED.size + DONE_RID_MAX + DONE_AUX_MAX
 DONE_ALGOS = {"adler32": 1, "crc32": 2}
+DONE_CHECKSUM_AT = HEADER_SIZE + 12  # the checksum's offset in a DONE frame (after bytes u64 and pages u32)
 DONE_ALGO_NAMES = {code: name for name, code in DONE_ALGOS.items()}
 RID_UINT, RID_STR = 1, 2
 _U32 = 0xFFFFFFFF

@@ -372,6 +372,8 @@ class Sender:
         self.write_log = write_log  # the transport's receiver cannot see writes land: DONE carries the log
         self._defer = defer
         self.layout = pool.layout
+        self._every_buffer = np.arange(self.layout.num_buffers, dtype=np.int64)
+        self._every_buffer.flags.writeable = False  # shared by every send of all buffers: nobody changes it
         self.max_context = int(max_context)
         self.checksum = ChecksumAlgo.parse(checksum)
         self.meta_timeout = meta_timeout
@@ -889,16 +891,18 @@ class Sender:
                                       f"CUDA event), got a {type(ready).__name__}", rid=rid, generation=req.gen)
             total = req.total_pages
             group = self._buffer_group(req, buffers)
-            if req.buffer_sent is None:
+            if req.buffer_sent is None:  # the first send: every buffer at position 0
                 req.buffer_sent = np.zeros(self.layout.num_buffers, dtype=np.int64)
                 req.order = np.full(total, -1, dtype=np.int64)
-            positions = req.buffer_sent[group]
-            if any_set(positions != positions[0]):
-                raise InvalidArgument(
-                    f"buffers {describe_buffers(group)} are at different positions "
-                    f"({', '.join(f'buffer {b}: {int(p)}' for b, p in zip(group[:8], positions[:8]))}): send "
-                    "them in separate calls", rid=rid, generation=req.gen)
-            start = int(positions[0])
+                start = 0
+            else:
+                positions = req.buffer_sent[group]
+                if any_set(positions != positions[0]):
+                    raise InvalidArgument(
+                        f"buffers {describe_buffers(group)} are at different positions "
+                        f"({', '.join(f'buffer {b}: {int(p)}' for b, p in zip(group[:8], positions[:8]))}): send "
+                        "them in separate calls", rid=rid, generation=req.gen)
+                start = int(positions[0])
             if at is not None and start != at:
                 raise InvalidArgument(f"buffers {describe_buffers(group)} are at position {start}, not {at}",
                                       rid=rid, generation=req.gen)
@@ -939,9 +943,12 @@ class Sender:
         own order (a send without source pages of everything at once)."""
         rid, total = req.rid, req.total_pages
         if chunk.size:
-            after = req.buffer_sent.copy()
-            after[group] = start + chunk.size
-            final = all_set(after == total)
+            if whole and group.size == self.layout.num_buffers and start + chunk.size == total:  # all of it, now
+                after, final = np.full(self.layout.num_buffers, total, dtype=np.int64), True
+            else:
+                after = req.buffer_sent.copy()
+                after[group] = start + chunk.size
+                final = all_set(after == total)
             for leg in req.writing:
                 batch = self._batch(req, leg, chunk, start, group, final, whole=whole)
                 batch.ready = ready
@@ -966,7 +973,7 @@ class Sender:
             req.buffer_sent = after
             if group.size != self.layout.num_buffers:
                 self.stats["layer_sends"] += 1
-            req.sent = int(after.min())
+            req.sent = total if final else int(after.min())
         if finish and req.sent == total and req.state in (S.TRANSFERRING, S.READY):
             self._post_done(req, aux)
         return req
@@ -997,7 +1004,7 @@ class Sender:
         """The buffers a send covers, sorted: every buffer, or the distinct indices the caller names."""
         nb = self.layout.num_buffers
         if buffers is None:
-            return np.arange(nb, dtype=np.int64)
+            return self._every_buffer
         try:
             group = np.asarray(buffers)
         except Exception as exc:

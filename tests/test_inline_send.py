@@ -132,7 +132,9 @@ def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():
         link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         with d.lock:  # the decode's data thread stops at its first frame's check: nothing more is read
             send_without_waiting(p, rids, "a socket the receiver does not read")
-            assert link.sent_inline == 1 and link.inline_rest == 1, (link.sent_inline, link.inline_rest)
+            # the WRITE frame left as it was posted and was cut; its rest and the DONE went from a lane
+            assert (link.sent_early, link.inline_rest, link.sent_inline) == (1, 1, 0), (
+                link.sent_early, link.inline_rest, link.sent_inline)
             assert link.ordered_rest == 0, "the WRITE frame itself was to be cut (its rest and DONE sent later)"
         all_readable(p, d, rids)
     finally:
@@ -268,3 +270,93 @@ def test_a_fault_injector_with_nothing_to_do_leaves_the_callers_thread_path_open
         p.wait(rid, timeout=10)
         assert link.sent_inline == 1, (rid, link.sent_inline)
     assert len(pair.faults.take_captured()) == 1
+
+
+def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_the_end_of_send():
+    """tcp, production links: a small request's WRITE frame leaves from the caller's thread as send() posts
+    it (before its DONE is built and posted) and its DONE when send() lets go of the link, both counted;
+    the decode lands byte-exact. A request sent chunk by chunk (no DONE behind the first chunks) has its
+    first chunk's WRITE frame go early too, the link given back at the end of that send() and the next
+    chunks posted and served behind it in order."""
+    made: list = []
+    try:
+        rids = [f"small-{i}" for i in range(5)]
+        p, d, link = admitted_pair(made, rids + ["chunked"], 4 * PAGE_TOKENS, seed=300)
+        until_idle(link)
+        early, inline = link.sent_early, link.sent_inline
+        for rid in rids:
+            p.send(rid)
+            assert d.wait(rid, timeout=10).state is ReceiverState.READABLE
+        assert (link.sent_early - early, link.sent_inline - inline) == (5, 5)
+        all_readable(p, d, rids)
+        until_idle(link)
+        early = link.sent_early
+        for _chunk in range(4):  # one page at a time; the last send posts DONE
+            p.send("chunked", count=1)
+        assert link.sent_early - early >= 1
+        all_readable(p, d, ["chunked"])
+    finally:
+        close_checked(made)
+
+
+def test_many_threads_sending_small_requests_through_one_engine_land_every_byte():
+    """Eight threads each send their own small requests through one prefill engine and one data link at
+    once (posted from their threads: WRITE frames at post time, DONEs at the end of send(), or queued to a
+    lane behind another thread's claim): every request is READABLE with its own bytes, in whatever order."""
+    made: list = []
+    try:
+        rids = [f"t{t}-{i}" for t in range(8) for i in range(6)]  # 48 of the prefill's 64 pages
+        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=400)
+        errors: list = []
+
+        def sender(t: int) -> None:
+            try:
+                for i in range(6):
+                    p.send(f"t{t}-{i}")
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=sender, args=(t,), daemon=True) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        all_readable(p, d, rids)
+        assert link.sent_early > 0
+    finally:
+        close_checked(made)
+
+
+def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_link(monkeypatch):
+    """Something raising in the caller's thread as it sends a WRITE frame at post time (here the batch's
+    source check): the batch is reported failed, the link ends with that reason, the request fails and
+    its sources are freed (nothing left unreported), and a new link carries the next request."""
+    from kvxfer.core.runs import WriteBatch
+
+    made: list = []
+    try:
+        p, d, link = admitted_pair(made, ["broken"], PAGE_TOKENS, seed=500)
+        until_idle(link)
+        original = WriteBatch.wait_sources
+
+        def escaping(self):
+            raise RuntimeError("device error in the caller's thread")
+        monkeypatch.setattr(WriteBatch, "wait_sources", escaping)
+        p.send("broken")
+        monkeypatch.setattr(WriteBatch, "wait_sources", original)
+        wait_for(lambda: link.ended, what="the link ended")
+        assert p.wait("broken", timeout=10).state.value == "FAILED"
+        assert link.sent_early == 0
+        wait_for(lambda: p.check_accounting()["sources_in_flight"] == 0, what="the sources freed")
+        d.abort("broken")
+        wait_for(lambda: p.peers[d.engine_id].link is not None and p.peers[d.engine_id].link is not link,
+                 timeout=10, what="a new data link")
+        d.admit("after", PAGE_TOKENS, peer=p.engine_id)
+        p.admit("after", PAGE_TOKENS)
+        fill_random(p.layout, p.sender.source_pages("after"), seed=501)
+        p.wait_ready("after", timeout=10)
+        p.send("after")
+        all_readable(p, d, ["after"])
+    finally:
+        close_checked(made)

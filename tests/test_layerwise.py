@@ -378,15 +378,16 @@ def test_prefill_accounting_fails_when_a_settled_request_still_holds_sources(eng
     pair.prefill.sender._maybe_release(req)  # the release the simulated bug skipped, so teardown is clean
 
 
-def test_prefill_accounting_fails_when_an_ended_link_never_reported_its_writes(engines, monkeypatch):
+def test_prefill_accounting_fails_when_an_ended_link_never_reported_its_writes(engines, monkeypatch, transport):
     """Writes posted on a data connection that ended but were never reported would hold their sources
     for ever: the checker names them. Simulated with the behaviour this suite's failing-event test
     caught: a ready event whose exception escaped into the sending thread, ending the link with the
-    batch it was sending unreported."""
+    batch it was sending unreported. The batch goes from a sending thread (inline sends off: the posting
+    thread's own send reports whatever fails in it)."""
     from kvxfer.core.runs import WriteBatch
     from kvxfer.errors import LedgerInvariantError
 
-    pair = engines()
+    pair = engines(transport_options={transport: {"inline_send": False}})
     _admitted(pair, "orphan", 4, seed=17)
     link = pair.prefill.peers[pair.decode.engine_id].link
 

@@ -106,9 +106,12 @@ class FrameLink(SenderLink, LaneLink):
         with self._cond:
             if not self._alive or self._closing:
                 raise TransportError(f"data connection {self.conn_id} to {self.address} is closed")
-            self._queue.append(job)
-            if not self._holding:
-                self._kick()
+            if not (self._holding and isinstance(job, WriteJob) and self._claim_early(job)):
+                self._queue.append(job)
+                if not self._holding:
+                    self._kick()
+                return
+        self._send_early(job)
 
     def hold(self) -> None:
         """Jobs posted until :meth:`unhold` are scheduled together then (a step already under way,
@@ -122,19 +125,29 @@ class FrameLink(SenderLink, LaneLink):
         them itself (:meth:`_send_inline`)."""
         with self._cond:
             self._holding -= 1
-            if self._holding or not self._queue:
+            if self._holding:
                 return
             claimed = self._claim_inline()
             if claimed is None:
-                self._kick()
+                if self._queue:
+                    self._kick()
                 return
         self._send_inline(*claimed)
 
     def _claim_inline(self) -> tuple[Any, ...] | None:
-        """Under ``_cond``: the jobs the posting thread sends itself (the link marked scheduled), or None."""
+        """Under ``_cond``, at the last unhold: the jobs the posting thread sends itself (the link marked
+        scheduled), or None (a claim taken at post time, :meth:`_claim_early`, is given back)."""
         return None
 
     def _send_inline(self, *claimed: Any) -> None:  # pragma: no cover - only with a claim
+        raise NotImplementedError
+
+    def _claim_early(self, job: WriteJob) -> bool:
+        """Under ``_cond``, a write job posted while held: whether the posting thread sends it at once
+        (:meth:`_send_early`), the link claimed until the last unhold. Never, unless a link says so."""
+        return False
+
+    def _send_early(self, job: WriteJob) -> None:  # pragma: no cover - only with a claim
         raise NotImplementedError
 
     def _begin_close(self, flush: bool) -> None:

@@ -949,6 +949,8 @@ class TcpLink(FrameLink):
         self.sent_prepared = 0  # ... of which prepared when the destination arrived (prepare)
         self.sent_inline = 0  # ... of which left from the posting thread (unhold), no lane involved
         self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
+        self.sent_early = 0  # WRITE frames sent by the posting thread as their batch was posted (_send_early)
+        self._early: tuple[WriteBatch, _Wire] | None = None  # that batch, its DONE not yet sent (the link claimed)
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -1025,51 +1027,135 @@ class TcpLink(FrameLink):
             except Exception:  # the engine reports its own failures; the connection is fine
                 log.exception("data connection to %s: handling %s", self.address, msg.TYPE)
 
-    def _claim_inline(self) -> tuple[WriteJob, OrderedJob] | None:
-        """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
-        scheduled, so no lane serves it meanwhile), when they are one whole small batch and the ordered
-        message behind it on an idle link whose sources need no wait; else None."""
-        if (not self.inline_send or self._scheduled or self._closing or self._lost is not None or self._corked
-                or self._ended.is_set() or len(self._queue) != 2):
-            return None
-        job, behind = self._queue
-        if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled
-                or job.batch.ready is not None or not self._fits_one_send(job.batch)
-                or (self.faults is not None and not self.faults.idle())):
-            return None
+    def _may_claim(self) -> bool:
+        """Under ``_cond``: the posting thread may take this link's next send itself (inline sends on, the
+        link idle and open, no partial segment held back, no fault injection waiting)."""
+        return (self.inline_send and not self._scheduled and not self._closing and self._lost is None
+                and not self._corked and not self._ended.is_set()
+                and (self.faults is None or self.faults.idle()))
+
+    def _claimable(self, batch: WriteBatch) -> bool:
+        """A batch the posting thread may send: not cancelled, no ready event to wait for, one small frame."""
+        return not batch.cancelled and batch.ready is None and self._fits_one_send(batch)
+
+    def _claim(self) -> None:
+        """Under ``_cond``: the link marked scheduled and served by this thread (no lane serves it meanwhile)."""
         self._scheduled = True
         self._serving = threading.current_thread()
+
+    def _claim_early(self, job: WriteJob) -> bool:
+        """Under ``_cond``, ``job`` posted while the link is held (a send posting a chunk and then its DONE):
+        whether the posting thread sends its WRITE frame now (:meth:`_send_early`), before the rest of the
+        post (its DONE built and posted) is done, the link claimed until :meth:`unhold` sends the DONE. So
+        the receiver wakes and lands the pages meanwhile. Only a small batch posted first on an idle link."""
+        if self._queue or self._early is not None or not self._may_claim() or not self._claimable(job.batch):
+            return False
+        self._claim()
+        return True
+
+    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob] | None:
+        """Under ``_cond``, at the last unhold: the queue's two jobs, taken as a lane would take them (the
+        link claimed), when they are one whole small batch and the ordered message behind it on an idle
+        link whose sources need no wait; ``(None, the ordered job)`` when the batch's WRITE frame left at
+        post time (:meth:`_send_early`) and only its ordered message is queued; else None (an early claim
+        is given back, and a step scheduled if anything is queued)."""
+        if self._early is not None:
+            if (len(self._queue) == 1 and isinstance(self._queue[0], OrderedJob) and not self._closing
+                    and self._lost is None and (self.faults is None or self.faults.idle())):
+                return None, self._queue.popleft()
+            self._early = None
+            self._give_back()
+            return None
+        if len(self._queue) != 2 or not self._may_claim():
+            return None
+        job, behind = self._queue
+        if not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or not self._claimable(job.batch):
+            return None
+        self._claim()
         return self._queue.popleft(), self._queue.popleft()
 
-    def _send_inline(self, job: WriteJob, ordered: OrderedJob) -> None:
-        """Send a claimed small request from the posting thread without ever waiting for the socket:
-        what it does not take at once (its buffer is full) is copied and left to a lane, first in the
-        queue. A failing socket ends the link on a lane, as a lane's own failure would."""
-        rest: bytes | None = None
+    def _give_back(self, rest: bytes | None = None) -> None:
+        """Under ``_cond``: the posting thread's claim ends; ``rest`` (bytes the socket did not take) goes
+        first, and a step is scheduled if anything is left to do."""
+        self._serving = None
+        self._scheduled = False
+        if rest:
+            self._queue.appendleft(RawJob([rest]))
+        if not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
+            self._kick()
+
+    def _sending_failed(self, exc: Exception) -> None:
+        """A send from the posting thread failed: the link ends on a lane with this reason, as a lane's own
+        failure would end it."""
+        reason = (f"connection lost: {exc}" if isinstance(exc, OSError)
+                  else f"sending failed: {type(exc).__name__}: {exc}")
+        if not isinstance(exc, OSError):
+            log.error("data connection to %s: %s", self.address, reason)
+        with self._cond:
+            self._lost = self._lost or reason
+
+    def _send_early(self, job: WriteJob) -> None:
+        """The posting thread, the link claimed (:meth:`_claim_early`): ``job``'s WRITE frame leaves now,
+        without waiting for the socket, and the batch is reported sent; its ordered message follows at
+        unhold. What the socket did not take is copied and left to a lane, first in the queue (the claim
+        given back; the DONE then goes from a lane and is built as its own step builds it)."""
+        rest = b""
+        kept = False
         watched = _Reported(job)
         try:
-            rest = self._send_batch_with_ordered(WriteJob(job.batch, watched), ordered, wait=False)
-            self.frames_sent += 2  # the WRITE frame and the ordered one, as a lane counts them
+            batch = job.batch
+            if not batch.wait_sources():  # cancelled meanwhile: nothing of it is sent
+                job.on_complete(batch, 0, len(batch))
+                return
+            wire = self._prepared_wire(batch)
+            rest = self._send_write(wire, wait=False)
+            self.frames_sent += 1
+            self.bytes_sent += wire.nbytes
+            self.sent_early += 1
+            if rest:
+                self.inline_rest += 1
+            else:
+                self._early = (batch, wire)
+            watched(batch, len(batch), 0)
+            kept = not rest
+        except Exception as exc:
+            if not watched.reported:
+                job.on_complete(job.batch, 0, len(job.batch))
+            self._early = None
+            self._sending_failed(exc)
+        finally:
+            if not kept:
+                with self._cond:
+                    self._give_back(rest)
+
+    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob) -> None:
+        """Send a claimed small request from the posting thread without ever waiting for the socket (its
+        WRITE frame and the ordered message behind it; the ordered message alone when the WRITE frame left
+        at post time): what it does not take at once (its buffer is full) is copied and left to a lane,
+        first in the queue. A failing socket ends the link on a lane, as a lane's own failure would."""
+        rest: bytes | None = None
+        watched = _Reported(job) if job is not None else None
+        try:
+            if job is None:
+                early, self._early = self._early, None
+                assert early is not None
+                batch, wire = early
+                rest = self._send_behind(batch, wire, ordered, b"", wait=False)
+                self.frames_sent += 1
+                self.sent_with_ordered += 1
+            else:
+                rest = self._send_batch_with_ordered(WriteJob(job.batch, watched), ordered, wait=False)
+                self.frames_sent += 2  # the WRITE frame and the ordered one, as a lane counts them
             self.sent_inline += 1
             if rest:
                 self.inline_rest += 1
-        except Exception as exc:  # the link ends on a lane with this reason, as a lane's own failure would
-            if not watched.reported:  # it failed before the batch was handed on: its writes failed
+        except Exception as exc:
+            if watched is not None and job is not None and not watched.reported:  # its writes failed
                 job.on_complete(job.batch, 0, len(job.batch))
-            reason = (f"connection lost: {exc}" if isinstance(exc, OSError)
-                      else f"sending failed: {type(exc).__name__}: {exc}")
-            if not isinstance(exc, OSError):
-                log.error("data connection to %s: %s", self.address, reason)
-            with self._cond:
-                self._lost = self._lost or reason
+            self._sending_failed(exc)
         finally:
             with self._cond:
-                self._serving = None
-                self._scheduled = False
-                if rest:
-                    self._queue.appendleft(RawJob([rest]))
-                if not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
-                    self._kick()
+                self._give_back(rest)
 
     def serve_step(self) -> None:
         """One step on a lane: the next job, the end of a closing link with nothing queued, or (fault
@@ -1197,47 +1283,61 @@ class TcpLink(FrameLink):
                 return frame
             send_all(self._sock, [frame])
             return b""
-        wire = batch.wire
-        if wire is None:
-            wire = self._wire(batch)
-        else:
-            self.sent_prepared += 1
-        fd = self._sock.fileno()
-        rest = b""
+        wire = self._prepared_wire(batch)
         try:
-            if wait:
-                native.lib.send_runs(fd, wire.prefix, wire.addresses, wire.lengths)
-                unsent = b""
-            else:
-                sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses, wire.lengths)
-                unsent = _unsent(wire, sent) if sent < len(wire.prefix) + wire.nbytes else b""
-            filled = None if unsent else self._unsummed_done(batch, ordered)
-            if filled is not None:  # the sums, DONE's checksum and its send in one C call
-                frame, builder = filled
-                try:
-                    done_sent, _checksum = _C_SEND_SUMMED_DONE(fd, *wire.payload, self._sum_fn, self._sum_initial,
-                                                               frame, f.DONE_CHECKSUM_AT)
-                finally:
-                    builder.built()
-                self.done_filled += 1
-                rest = bytes(frame[done_sent:])
-            else:
-                if self._sum_fn is not None and batch.sums_ready is None:
-                    raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
-                    self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
-                frame = self._ordered_frame(ordered)
-                rest = unsent + frame if unsent or wait else frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
-            if rest and not unsent and not wait:
-                self.ordered_rest += 1  # the WRITE frame left whole, the ordered frame in part
-            if wait and rest:
-                send_all(self._sock, [rest])
-                rest = b""
+            unsent = self._send_write(wire, wait=wait)
+            rest = self._send_behind(batch, wire, ordered, unsent, wait=wait)
         except BaseException:
             job.on_complete(batch, 0, len(batch))
             raise
         self.bytes_sent += wire.nbytes
         self.sent_with_ordered += 1
         job.on_complete(batch, len(batch), 0)
+        return rest
+
+    def _prepared_wire(self, batch: WriteBatch) -> _Wire:
+        """The batch's WRITE frame and descriptors: made when its destination arrived (:meth:`prepare`), or now."""
+        if batch.wire is None:
+            return self._wire(batch)
+        self.sent_prepared += 1
+        return batch.wire
+
+    def _send_write(self, wire: _Wire, *, wait: bool) -> bytes:
+        """A small batch's WRITE frame; without ``wait`` the bytes the socket did not take, copied."""
+        fd = self._sock.fileno()
+        if wait:
+            native.lib.send_runs(fd, wire.prefix, wire.addresses, wire.lengths)
+            return b""
+        sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses, wire.lengths)
+        return _unsent(wire, sent) if sent < len(wire.prefix) + wire.nbytes else b""
+
+    def _send_behind(self, batch: WriteBatch, wire: _Wire, ordered: OrderedJob, unsent: bytes, *, wait: bool) -> bytes:
+        """The ordered message behind a batch whose WRITE frame went (``unsent``: the part of it the socket
+        has not taken yet, which goes first): a DONE is summed, filled in and sent in one C call where it
+        can be (:meth:`_unsummed_done`), else the batch's item checksums are taken and the message built
+        as its own step builds it. Returns what is left to send, as :meth:`_send_batch_with_ordered`."""
+        fd = self._sock.fileno()
+        filled = None if unsent else self._unsummed_done(batch, ordered)
+        if filled is not None:  # the sums, DONE's checksum and its send in one C call
+            frame, builder = filled
+            try:
+                done_sent, _checksum = _C_SEND_SUMMED_DONE(fd, *wire.payload, self._sum_fn, self._sum_initial,
+                                                           frame, f.DONE_CHECKSUM_AT)
+            finally:
+                builder.built()
+            self.done_filled += 1
+            rest = bytes(frame[done_sent:])
+        else:
+            if self._sum_fn is not None and batch.sums_ready is None:
+                raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
+                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
+            frame = self._ordered_frame(ordered)
+            rest = unsent + frame if unsent or wait else frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
+        if rest and not unsent and not wait:
+            self.ordered_rest += 1  # the WRITE frame left whole, the ordered frame in part
+        if wait and rest:
+            send_all(self._sock, [rest])
+            return b""
         return rest
 
     def _unsummed_done(self, batch: WriteBatch, ordered: OrderedJob) -> tuple[bytearray, Any] | None:

@@ -738,7 +738,13 @@ static PyObject *send_summed_done(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "zlib-ng's crc32 combination not loaded");
         goto end;
     }
-    if (sum_at < 0 || sum_at + 4 > done.len) {
+    for (size_t i = 0; i < n; i++) {
+        if (((const uint64_t *)items.buf)[i] > (uint64_t)INT64_MAX) {
+            PyErr_SetString(PyExc_ValueError, "an item length does not fit 63 bits");
+            goto end;
+        }
+    }
+    if (sum_at < 0 || done.len < 4 || sum_at > done.len - 4) {
         PyErr_SetString(PyExc_ValueError, "sum_at is outside the DONE frame");
         goto end;
     }

@@ -360,3 +360,87 @@ def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_
         all_readable(p, d, ["after"])
     finally:
         close_checked(made)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "lanes"])
+def test_a_done_queued_behind_another_requests_write_claims_its_own_pages(inline):
+    """Y is sent without its DONE, then X (also without), then Y's DONE is posted: on the link Y's DONE sits
+    right behind X's WRITE frame, and the link sends them together. The DONE must claim Y's checksum, not
+    one summed from X's pages (a review found the one-call summed DONE taking the batch it followed):
+    both requests are READABLE with their own bytes."""
+    made: list = []
+    try:
+        rids = ["Y", "X"]
+        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=600)
+        link.inline_send = inline
+        p.send("Y", finish=False)
+        until_idle(link)
+        link.hold()  # X's writes and Y's DONE queued together, as a busy link would hold them
+        try:
+            p.send("X", finish=False)
+            p.finish("Y")
+        finally:
+            link.unhold()
+        p.finish("X")
+        all_readable(p, d, rids)
+    finally:
+        close_checked(made)
+
+
+def test_a_leg_whose_write_frame_fails_as_it_is_posted_leaves_the_other_legs_untouched():
+    """MLA from prefill TP 1 into decode TP 2: one request, two whole-page legs on two links. The first
+    leg's WRITE frame fails as send() posts it (a broken socket): the request fails, and no link gets a
+    write of it posted after the writer ABORT it got (the failure is reported once send() posted every
+    leg, never in the middle, when the sources may already be free)."""
+    import errno
+
+    from kvxfer.transport import framed, tcp
+
+    from .tp_env import build
+
+    made: list = []
+    try:
+        cluster = build(tp_prefill=1, tp_decode=2, mla=True, head_bytes=64, made=made)
+        p = cluster.prefills[0]
+        cluster.admit("m", 40)
+        cluster.fill("m", 5)
+        for link in (peer.link for peer in p.peers.values()):
+            until_idle(link)
+        send_write, post = tcp.TcpLink._send_write, framed.FrameLink._post
+        calls, posted = [], []
+
+        def failing_first(self, wire, *, wait):
+            calls.append(self)
+            if len(calls) == 1:
+                raise BrokenPipeError(errno.EPIPE, "simulated broken socket")
+            return send_write(self, wire, wait=wait)
+
+        def logged(self, job):
+            posted.append((self, type(job).__name__))
+            return post(self, job)
+
+        tcp.TcpLink._send_write, framed.FrameLink._post = failing_first, logged
+        try:
+            p.send("m")
+        finally:
+            tcp.TcpLink._send_write, framed.FrameLink._post = send_write, post
+        assert calls, "no WRITE frame was sent from the caller's thread"
+        for link in {link for link, _ in posted}:
+            kinds = [kind for each, kind in posted if each is link]
+            assert "WriteJob" not in kinds[kinds.index("OrderedJob"):] if "OrderedJob" in kinds else True, kinds
+        assert p.wait("m", timeout=10).state.value == "FAILED"
+        wait_for(lambda: p.check_accounting()["sources_in_flight"] == 0, what="the sources freed")
+        states = {}
+        for decode in cluster.decodes:
+            wait_for(lambda decode=decode: decode.status("m").fsm.terminal
+                     or decode.status("m").state is ReceiverState.READABLE, timeout=10, what="each decode's verdict")
+            states[decode.engine_id] = decode.status("m").state.value
+        # the broken link's decode fails the request; the other got the WRITE frame and DONE posted before
+        # the failure was reported, and verifies them (or hears the abort first)
+        verdicts = sorted(states.values(), key=lambda state: state != "FAILED")
+        assert verdicts[0] == "FAILED" and verdicts[1] in ("ABORTED", "READABLE", "FAILED"), states
+        for decode in cluster.decodes:
+            if decode.status("m").state is ReceiverState.READABLE:
+                decode.release("m")
+    finally:
+        close_checked(made)

@@ -126,15 +126,14 @@ class DoneBuilder:
             return checksum_addresses(self.layout.device, addresses, lengths, self.algo)
         return checksum_pages(self.layout, self.src, self.algo)
 
-    def unsummed(self) -> m.Done | None:
+    def unsummed(self, batch: WriteBatch) -> m.Done | None:
         """The DONE this builder builds, with checksum 0, when its checksum is the combination, in order,
-        of the item checksums of its one batch of whole pages (no write log, nothing cancelled, the sums
-        taken by the transport): a transport that sums the batch as it sends it fills the checksum in
-        (the number :meth:`checksum` would compute from those sums) and calls :meth:`built` once it sent
-        it. None otherwise: the transport calls the builder when the batch has left."""
-        if self.atoms is not None or self.write_log or len(self.batches) != 1:
+        of the item checksums of ``batch``, its one batch, of whole pages (no write log, nothing cancelled,
+        the sums taken by the transport): a transport that sums that batch as it sends it fills the
+        checksum in (the number :meth:`checksum` would compute from those sums) and calls :meth:`built`
+        once it sent it. None otherwise (another batch than this DONE's: the transport calls the builder)."""
+        if self.atoms is not None or self.write_log or len(self.batches) != 1 or self.batches[0] is not batch:
             return None
-        batch = self.batches[0]
         if batch.cancelled or batch.units is not None or batch.sums_ready is not None:
             return None
         return m.Done(rid=self.rid, gen=self.gen, bytes=self.layout.bytes_for_pages(self.src.size),
@@ -963,6 +962,8 @@ class Sender:
                     req.fsm.to(S.TRANSFERRING, "first chunk posted")
                 try:
                     leg.link.post_writes(batch, self._on_complete)
+                    if req.fsm.terminal:  # it failed meanwhile (its other legs were told): nothing more is posted
+                        return req
                 except TransportError as exc:
                     leg.completed += len(batch)
                     leg.failed_writes += len(batch)

@@ -1053,106 +1053,124 @@ class TcpLink(FrameLink):
         self._claim()
         return True
 
-    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob] | None:
-        """Under ``_cond``, at the last unhold: the queue's two jobs, taken as a lane would take them (the
-        link claimed), when they are one whole small batch and the ordered message behind it on an idle
-        link whose sources need no wait; ``(None, the ordered job)`` when the batch's WRITE frame left at
-        post time (:meth:`_send_early`) and only its ordered message is queued; else None (an early claim
-        is given back, and a step scheduled if anything is queued)."""
-        if self._early is not None:
+    def _claim_inline(self) -> tuple[Any, ...] | None:
+        """Under ``_cond``, at the last unhold: what the posting thread sends itself now, for
+        :meth:`_send_inline`: the queue's two jobs, taken as a lane would take them (the link claimed),
+        when they are one whole small batch and the ordered message behind it on an idle link whose
+        sources need no wait; when a batch's WRITE frame left at post time (:meth:`_send_early`), that
+        batch with the ordered message queued alone behind it, or with None (anything else queued, or
+        nothing: its item checksums are taken and the claim given back). None: nothing to send here (a
+        step is scheduled if the link has anything to do)."""
+        early, self._early = self._early, None
+        if early is not None:
             if (len(self._queue) == 1 and isinstance(self._queue[0], OrderedJob) and not self._closing
                     and self._lost is None and (self.faults is None or self.faults.idle())):
-                return None, self._queue.popleft()
-            self._early = None
-            self._give_back()
-            return None
-        if len(self._queue) != 2 or not self._may_claim():
-            return None
-        job, behind = self._queue
-        if not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or not self._claimable(job.batch):
-            return None
-        self._claim()
-        return self._queue.popleft(), self._queue.popleft()
+                return None, self._queue.popleft(), early
+            return None, None, early
+        if len(self._queue) == 2 and self._may_claim():
+            job, behind = self._queue
+            if isinstance(job, WriteJob) and isinstance(behind, OrderedJob) and self._claimable(job.batch):
+                self._claim()
+                return self._queue.popleft(), self._queue.popleft()
+        if not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
+            self._kick()
+        return None
 
     def _give_back(self, rest: bytes | None = None) -> None:
         """Under ``_cond``: the posting thread's claim ends; ``rest`` (bytes the socket did not take) goes
-        first, and a step is scheduled if anything is left to do."""
+        first, and a step is scheduled if anything is left to do, unless a post still holds the link (its
+        last unhold schedules it: a lane must not end the link in the middle of a post)."""
         self._serving = None
         self._scheduled = False
         if rest:
             self._queue.appendleft(RawJob([rest]))
-        if not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
+        if not self._holding and not self._ended.is_set() and (self._queue or self._closing or self._lost is not None):
             self._kick()
 
     def _sending_failed(self, exc: Exception) -> None:
-        """A send from the posting thread failed: the link ends on a lane with this reason, as a lane's own
-        failure would end it."""
+        """Under ``_cond``: a send from the posting thread failed; the link ends on a lane with this reason,
+        as a lane's own failure would end it."""
         reason = (f"connection lost: {exc}" if isinstance(exc, OSError)
                   else f"sending failed: {type(exc).__name__}: {exc}")
         if not isinstance(exc, OSError):
             log.error("data connection to %s: %s", self.address, reason)
-        with self._cond:
-            self._lost = self._lost or reason
+        self._lost = self._lost or reason
 
     def _send_early(self, job: WriteJob) -> None:
         """The posting thread, the link claimed (:meth:`_claim_early`): ``job``'s WRITE frame leaves now,
-        without waiting for the socket, and the batch is reported sent; its ordered message follows at
-        unhold. What the socket did not take is copied and left to a lane, first in the queue (the claim
-        given back; the DONE then goes from a lane and is built as its own step builds it)."""
-        rest = b""
-        kept = False
-        watched = _Reported(job)
+        without waiting for the socket, and the batch is reported sent; the claim is kept for the ordered
+        message the post queues behind it (:meth:`_claim_inline`). What the socket did not take is copied
+        and left to a lane, first in the queue (the claim given back; the DONE then goes from a lane and is
+        built as its own step builds it). A batch that cannot go (cancelled meanwhile, or the send failed)
+        goes back to the head of the queue unreported: a lane reports it when it serves or ends the link,
+        after the post, never in its middle (the request's other legs are being posted)."""
+        batch = job.batch
         try:
-            batch = job.batch
-            if not batch.wait_sources():  # cancelled meanwhile: nothing of it is sent
-                job.on_complete(batch, 0, len(batch))
+            if not batch.wait_sources():
+                with self._cond:
+                    self._queue.appendleft(job)
+                    self._give_back()
                 return
             wire = self._prepared_wire(batch)
             rest = self._send_write(wire, wait=False)
-            self.frames_sent += 1
-            self.bytes_sent += wire.nbytes
-            self.sent_early += 1
-            if rest:
-                self.inline_rest += 1
-            else:
-                self._early = (batch, wire)
-            watched(batch, len(batch), 0)
-            kept = not rest
         except Exception as exc:
-            if not watched.reported:
-                job.on_complete(job.batch, 0, len(job.batch))
-            self._early = None
-            self._sending_failed(exc)
-        finally:
-            if not kept:
-                with self._cond:
-                    self._give_back(rest)
+            with self._cond:
+                self._sending_failed(exc)
+                self._queue.appendleft(job)
+                self._give_back()
+            return
+        self.frames_sent += 1
+        self.bytes_sent += wire.nbytes
+        self.sent_early += 1
+        if rest:
+            self.inline_rest += 1
+        job.on_complete(batch, len(batch), 0)
+        with self._cond:
+            if not rest and self._holding:  # the post goes on: its last unhold takes the claim back
+                self._early = (batch, wire)
+                return
+        if not rest:
+            self._keep_early_sums(batch, wire)  # posted without a hold of its own (nothing more is coming)
+        with self._cond:
+            self._give_back(rest)
 
-    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob) -> None:
-        """Send a claimed small request from the posting thread without ever waiting for the socket (its
-        WRITE frame and the ordered message behind it; the ordered message alone when the WRITE frame left
-        at post time): what it does not take at once (its buffer is full) is copied and left to a lane,
+    def _keep_early_sums(self, batch: WriteBatch, wire: _Wire) -> None:
+        """The item checksums of a batch whose WRITE frame left at post time with no DONE behind it (a chunk
+        of a request sent in several): kept for the DONE built later, as a lane keeps them while sending."""
+        if self._sum_fn is not None and batch.sums_ready is None and not batch.sums_done:
+            raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
+            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
+
+    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob | None,
+                     early: tuple[WriteBatch, _Wire] | None = None) -> None:
+        """Send what :meth:`_claim_inline` claimed from the posting thread, never waiting for the socket: a
+        small batch's WRITE frame and the ordered message behind it, or (``early``: its WRITE frame left at
+        post time) the ordered message alone, or nothing (``ordered`` None: the early batch's checksums are
+        kept). What the socket does not take at once (its buffer is full) is copied and left to a lane,
         first in the queue. A failing socket ends the link on a lane, as a lane's own failure would."""
         rest: bytes | None = None
         watched = _Reported(job) if job is not None else None
         try:
-            if job is None:
-                early, self._early = self._early, None
-                assert early is not None
+            if early is not None:
                 batch, wire = early
-                rest = self._send_behind(batch, wire, ordered, b"", wait=False)
-                self.frames_sent += 1
-                self.sent_with_ordered += 1
-            else:
+                if ordered is None:
+                    self._keep_early_sums(batch, wire)
+                else:
+                    rest = self._send_behind(batch, wire, ordered, b"", wait=False)
+                    self.frames_sent += 1
+                    self.sent_with_ordered += 1
+                    self.sent_inline += 1
+            elif job is not None and ordered is not None:
                 rest = self._send_batch_with_ordered(WriteJob(job.batch, watched), ordered, wait=False)
                 self.frames_sent += 2  # the WRITE frame and the ordered one, as a lane counts them
-            self.sent_inline += 1
+                self.sent_inline += 1
             if rest:
                 self.inline_rest += 1
         except Exception as exc:
             if watched is not None and job is not None and not watched.reported:  # its writes failed
                 job.on_complete(job.batch, 0, len(job.batch))
-            self._sending_failed(exc)
+            with self._cond:
+                self._sending_failed(exc)
         finally:
             with self._cond:
                 self._give_back(rest)
@@ -1343,12 +1361,13 @@ class TcpLink(FrameLink):
     def _unsummed_done(self, batch: WriteBatch, ordered: OrderedJob) -> tuple[bytearray, Any] | None:
         """The DONE frame behind ``batch``, its checksum 0, and its builder, when one C call can sum the
         batch's items, fill the checksum in and send it (``send_summed_done``): DONE's builder offers it
-        (:meth:`~kvxfer.engine.sender.DoneBuilder.unsummed`), its algorithm is this link's, and it fits
-        the binary layout. None: the message is built as its own step builds it."""
+        for this very batch (:meth:`~kvxfer.engine.sender.DoneBuilder.unsummed`: the DONE queued behind a
+        batch may be another request's), its algorithm is this link's, and it fits the binary layout.
+        None: the message is built as its own step builds it."""
         unsummed = getattr(ordered.msg, "unsummed", None)
         if unsummed is None or _C_SEND_SUMMED_DONE is None or self._sum_fn is None or batch.sums_ready is not None:
             return None
-        msg = unsummed()
+        msg = unsummed(batch)
         if msg is None or msg.algo != self._sum_algo:
             return None
         frame = f.done_frame(msg, slot=ordered.slot)

@@ -444,3 +444,28 @@ def test_a_leg_whose_write_frame_fails_as_it_is_posted_leaves_the_other_legs_unt
                 decode.release("m")
     finally:
         close_checked(made)
+
+
+def test_a_done_that_cannot_be_posted_fails_the_request_without_raising_out_of_send(monkeypatch):
+    """The link ends between a send()'s writes and its DONE (a lane ended it: the peer closed its end), so
+    posting the DONE is refused: send() does not raise a transport error at its caller after it posted the
+    writes; the request fails naming the link, and its sources are freed."""
+    from kvxfer.errors import TransportError
+    from kvxfer.transport import tcp
+
+    made: list = []
+    try:
+        p, d, link = admitted_pair(made, ["cut"], PAGE_TOKENS, seed=700)
+        original = tcp.TcpLink.post_ordered
+
+        def refused(self, msg, *, slot, gen):
+            raise TransportError(f"data connection {self.conn_id} to {self.address} is closed")
+        monkeypatch.setattr(tcp.TcpLink, "post_ordered", refused)
+        p.send("cut")
+        monkeypatch.setattr(tcp.TcpLink, "post_ordered", original)
+        req = p.wait("cut", timeout=10)
+        assert req.state.value == "FAILED" and "DONE" in str(req.error), (req.state, req.error)
+        wait_for(lambda: p.check_accounting()["sources_in_flight"] == 0, what="the sources freed")
+        d.abort("cut")
+    finally:
+        close_checked(made)

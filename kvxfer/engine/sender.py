@@ -1124,8 +1124,13 @@ class Sender:
                                src=src, batches=list(leg.batches), write_log=self.write_log,
                                on_built=lambda leg=leg: self._done_built(leg), atoms=leg.atoms,
                                dst_pages=len(leg.dst_pages))
+            try:
+                leg.link.post_ordered(done, slot=leg.slot, gen=leg.gen)
+            except TransportError as exc:  # the link ended after the writes were posted (a lane ended it)
+                self._fail(req, TransferFailed(f"could not post DONE to {leg.peer}: {exc}", reason="transport",
+                                               rid=req.rid, generation=req.gen), culprit=leg)
+                return
             leg.done_posted = True
-            leg.link.post_ordered(done, slot=leg.slot, gen=leg.gen)
         req.fsm.to(S.DONE_SENT, "DONE posted behind the last write")
         req.deadline = self._clock() + self.result_timeout  # a decode that never answers cannot pin the sources
         self.stats["done_sent"] += 1

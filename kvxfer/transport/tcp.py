@@ -1063,6 +1063,7 @@ class TcpLink(FrameLink):
         step is scheduled if the link has anything to do)."""
         early, self._early = self._early, None
         if early is not None:
+            self._serving = threading.current_thread()  # the last unhold may be another holder's thread
             if (len(self._queue) == 1 and isinstance(self._queue[0], OrderedJob) and not self._closing
                     and self._lost is None and (self.faults is None or self.faults.idle())):
                 return None, self._queue.popleft(), early

@@ -613,17 +613,24 @@ static int send_range(int fd, const char *prefix, size_t prefix_len, const uint6
     return 0;
 }
 
+/* The arguments of send_runs and send_runs_nowait: (fd, prefix, addresses, lengths), the runs checked;
+ * -1 with an exception set and nothing held. */
+static int send_args(PyObject *args, int *fd, Py_buffer *prefix, Py_buffer *addrs, Py_buffer *lens, size_t *n) {
+    if (!PyArg_ParseTuple(args, "iy*y*y*", fd, prefix, addrs, lens)) return -1;
+    if (parse_runs(addrs, lens, n) < 0) {
+        PyBuffer_Release(prefix);
+        PyBuffer_Release(addrs);
+        PyBuffer_Release(lens);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *send_runs(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer prefix, addrs, lens;
     size_t n;
-    if (!PyArg_ParseTuple(args, "iy*y*y*", &fd, &prefix, &addrs, &lens)) return NULL;
-    if (parse_runs(&addrs, &lens, &n) < 0) {
-        PyBuffer_Release(&prefix);
-        PyBuffer_Release(&addrs);
-        PyBuffer_Release(&lens);
-        return NULL;
-    }
+    if (send_args(args, &fd, &prefix, &addrs, &lens, &n) < 0) return NULL;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     const uint64_t *l = (const uint64_t *)lens.buf;
@@ -696,13 +703,7 @@ static PyObject *send_runs_nowait(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer prefix, addrs, lens;
     size_t n;
-    if (!PyArg_ParseTuple(args, "iy*y*y*", &fd, &prefix, &addrs, &lens)) return NULL;
-    if (parse_runs(&addrs, &lens, &n) < 0) {
-        PyBuffer_Release(&prefix);
-        PyBuffer_Release(&addrs);
-        PyBuffer_Release(&lens);
-        return NULL;
-    }
+    if (send_args(args, &fd, &prefix, &addrs, &lens, &n) < 0) return NULL;
     int err;
     unsigned long long total = 0;
     Py_BEGIN_ALLOW_THREADS

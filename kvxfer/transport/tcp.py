@@ -1131,13 +1131,13 @@ class TcpLink(FrameLink):
                 self._early = (batch, wire)
                 return
         if not rest:
-            self._keep_early_sums(batch, wire)  # posted without a hold of its own (nothing more is coming)
+            self._keep_item_sums(batch, wire)  # posted without a hold of its own (nothing more is coming)
         with self._cond:
             self._give_back(rest)
 
-    def _keep_early_sums(self, batch: WriteBatch, wire: _Wire) -> None:
-        """The item checksums of a batch whose WRITE frame left at post time with no DONE behind it (a chunk
-        of a request sent in several): kept for the DONE built later, as a lane keeps them while sending."""
+    def _keep_item_sums(self, batch: WriteBatch, wire: _Wire) -> None:
+        """The item checksums of a small batch whose WRITE frame left, kept for its DONE (built now behind
+        it, or later: a chunk of a request sent in several), as a lane keeps them while sending."""
         if self._sum_fn is not None and batch.sums_ready is None and not batch.sums_done:
             raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
             self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
@@ -1155,7 +1155,7 @@ class TcpLink(FrameLink):
             if early is not None:
                 batch, wire = early
                 if ordered is None:
-                    self._keep_early_sums(batch, wire)
+                    self._keep_item_sums(batch, wire)
                 else:
                     rest = self._send_behind(batch, wire, ordered, b"", wait=False)
                     self.frames_sent += 1
@@ -1347,9 +1347,7 @@ class TcpLink(FrameLink):
             self.done_filled += 1
             rest = bytes(frame[done_sent:])
         else:
-            if self._sum_fn is not None and batch.sums_ready is None:
-                raw = native.lib.checksum_items(self._sum_fn, self._sum_initial, *wire.payload)
-                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
+            self._keep_item_sums(batch, wire)
             frame = self._ordered_frame(ordered)
             rest = unsent + frame if unsent or wait else frame[native.lib.send_runs_nowait(fd, frame, b"", b""):]
         if rest and not unsent and not wait:

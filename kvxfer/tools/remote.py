@@ -10,7 +10,8 @@ management link that the stress run's faults never touch; the driver reaches it 
   the program itself (:func:`kvxfer.tools.node.spawn` takes its argv as a prefix). SIGTERM or SIGINT
   to the stand-in is passed on; when the stand-in dies (SIGKILL included: its connection closes) the
   agent SIGKILLs the program: a kill of the stand-in is a kill of the remote process, sockets and
-  queue pairs and all. The stand-in exits with the program's status.
+  queue pairs and all. The stand-in exits with the program's status; when the agent stops, it kills its
+  programs and their stand-ins exit 1 saying the agent went away.
 * **run** (:func:`run`): one command, its exit status and output (the wire faults on that machine).
 
 Invariants: the agent serves only a client that presents its token (``KVXFER_REMOTE_TOKEN``, the same
@@ -186,7 +187,8 @@ class _Handler(socketserver.StreamRequestHandler):
             for line in child.stdout:
                 self._send({"out": line})
             status = child.wait()
-            self._send({"exit": status if status >= 0 else 128 - status})  # a signal's death as the shell says it
+            if not self.server.stopping.is_set():  # a kill by the stopping agent is the agent's death, not the program's
+                self._send({"exit": status if status >= 0 else 128 - status})  # a signal's death as the shell says it
         finally:
             if child.poll() is None:
                 child.kill()
@@ -201,9 +203,13 @@ class _Agent(socketserver.ThreadingTCPServer):
     def __init__(self, address: tuple[str, int], token: str) -> None:
         self.token = token
         self.children: set[subprocess.Popen] = set()
+        self.stopping = threading.Event()
         super().__init__(address, _Handler)
 
     def kill_children(self) -> None:
+        """Kill every program on the agent's way out; their stand-ins see the agent go away (exit 1), never
+        the status of a program the agent killed (set before the kills, so no handler can race it)."""
+        self.stopping.set()
         for child in list(self.children):
             if child.poll() is None:
                 child.kill()

@@ -4,7 +4,8 @@
  * recv_runs(fd, addresses, lengths): fill every (address, length) run from a blocking socket with
  *     readv(2), in order, until all bytes arrived. Raises ConnectionError on EOF, OSError on error.
  * recv_frame_head(fd, ...): one data frame's header, and a WRITE frame's run table, read and checked
- *     as kvxfer/wire/frames.py checks them (see the function).
+ *     as kvxfer/wire/frames.py checks them (see the function); optionally polling the socket for a
+ *     while before it sleeps in the read (busy_poll below).
  * send_runs(fd, prefix, addresses, lengths): send `prefix` then every run with sendmsg(2)
  *     (MSG_NOSIGNAL), handling partial sends.
  * copy_runs(dst_addresses, src_addresses, lengths): memcpy every run (the shm transport's gather
@@ -30,6 +31,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
@@ -229,6 +231,51 @@ static int recv_range(int fd, const uint64_t *a, const uint64_t *l, size_t first
     return 0;
 }
 
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Busy polling of a data socket: a receiving thread about to sleep in a read looks at the socket
+ * instead, for up to `spin_ns`, giving the CPU to any other runnable thread between looks
+ * (sched_yield), so that a frame sent meanwhile is read without a wake-up: on loopback and on a VM the
+ * sleep-and-wake costs tens of microseconds on both sides (the sender's send wakes the sleeper), the
+ * look a microsecond. At most BUSY_POLLERS threads of a process poll at once (the others sleep at
+ * once): the CPU it costs is bounded by that many cores for `spin_ns` after each frame, whatever the
+ * number of connections. Counts, when `counts` is not NULL (three uint64 words, added atomically):
+ * [0] data found while polling, [1] polling ran out of time, [2] another thread held the polling. */
+#define BUSY_POLLERS 1
+static int busy_pollers = 0;
+
+/* Take the process's polling slot (1), or count a skip (0). */
+static int busy_poll_begin(uint64_t *counts) {
+    if (__atomic_fetch_add(&busy_pollers, 1, __ATOMIC_ACQ_REL) < BUSY_POLLERS) return 1;
+    __atomic_fetch_sub(&busy_pollers, 1, __ATOMIC_ACQ_REL);
+    if (counts) __atomic_fetch_add(&counts[2], 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* Give the slot back and count how the polling ended: found (1) or ran out of time (0). */
+static void busy_poll_end(int found, uint64_t *counts) {
+    __atomic_fetch_sub(&busy_pollers, 1, __ATOMIC_ACQ_REL);
+    if (counts) __atomic_fetch_add(&counts[found ? 0 : 1], 1, __ATOMIC_RELAXED);
+}
+
+/* Poll the socket until it is readable (data, EOF, an error), for at most spin_ns. GIL not held. */
+static void busy_poll(int fd, uint64_t spin_ns, uint64_t *counts) {
+    if (spin_ns == 0 || !busy_poll_begin(counts)) return;
+    uint64_t start = now_ns();
+    int found = 0;
+    for (;;) {
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, 0) != 0) { found = 1; break; }  /* data, EOF, an error or a signal: go and read */
+        if (now_ns() - start >= spin_ns) break;
+        sched_yield();
+    }
+    busy_poll_end(found, counts);
+}
+
 static PyObject *raise_recv(int rc) {
     if (rc < 0) {
         PyErr_SetString(PyExc_ConnectionError, "peer closed the connection");
@@ -338,7 +385,7 @@ static PyObject *parse_done_body(const uint8_t *b, uint32_t body_len) {
                          (const char *)(id + rid_len), (Py_ssize_t)aux_len);
 }
 
-/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered])
+/* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered[, spin_ns, counts]])
  *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
  * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
  * kvxfer/wire/frames.py's parse_header does; for a WRITE frame also read its run table and check it as
@@ -349,18 +396,24 @@ static PyObject *parse_done_body(const uint8_t *b, uint32_t body_len) {
  * header breaks a rule; -2: the run table does; -3: the DONE frame's body does (`body` its bytes). On
  * -1, -2 and -3 the caller runs the Python parser on `header` (and `body`), which names the rule. The
  * twin of parse_header + parse_runs + parse_done: tests/test_frames_native.py and tests/test_done_frames.py
- * hold them equal on random and hostile frames. */
+ * hold them equal on random and hostile frames. With spin_ns > 0 the socket is polled that long before
+ * the header's read sleeps (busy_poll; counts: the address of its three counters, or 0). */
 static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
     int fd;
     unsigned int version, max_runs;
-    unsigned long long max_payload, max_message, max_offset, max_ordered = 0;
-    if (!PyArg_ParseTuple(args, "iIIKKK|K", &fd, &version, &max_runs, &max_payload, &max_message, &max_offset,
-                          &max_ordered))
+    unsigned long long max_payload, max_message, max_offset, max_ordered = 0, spin_ns = 0, counts_address = 0;
+    if (!PyArg_ParseTuple(args, "iIIKKK|KKK", &fd, &version, &max_runs, &max_payload, &max_message, &max_offset,
+                          &max_ordered, &spin_ns, &counts_address))
         return NULL;
+    if (counts_address % 8) {
+        PyErr_SetString(PyExc_ValueError, "recv_frame_head: the busy-poll counts are 8-byte aligned");
+        return NULL;
+    }
     uint8_t h[32];
     uint64_t a = (uint64_t)(uintptr_t)h, l = sizeof(h);
     int rc;
     Py_BEGIN_ALLOW_THREADS
+    busy_poll(fd, spin_ns, (uint64_t *)(uintptr_t)counts_address);
     rc = recv_range(fd, &a, &l, 0, 1, 0);
     Py_END_ALLOW_THREADS
     if (rc) return raise_recv(rc);
@@ -1017,11 +1070,6 @@ static PyObject *ring_store(PyObject *self, PyObject *args) {
 #define RING_SLEEP_NS 10000000ull /* the longest one sleep: states and the peer's process are looked at this often */
 #define RING_LIVENESS_NS 500000000ull /* a waiting side checks that the peer's process exists this often */
 
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* The 32-bit futex word of a 64-bit position: its low half. */
 static inline uint32_t *futex_word(const uint64_t *word) {
@@ -1104,21 +1152,44 @@ static int ring_word_arg(unsigned long long address, const char *what) {
     return 0;
 }
 
+/* busy_poll for the shm ring: look at the position word until it reaches target (or the stop or closed
+ * word takes its value: found, the caller looks), for at most spin_ns. GIL not held. */
+static void busy_poll_word(const uint64_t *word, int64_t target, const uint64_t *stop, uint64_t stop_value,
+                           const uint64_t *closed, uint64_t closed_value, uint64_t spin_ns, uint64_t *counts) {
+    if (spin_ns == 0 || !busy_poll_begin(counts)) return;
+    uint64_t start = now_ns();
+    int found = 0;
+    for (;;) {
+        for (int i = 0; i < 64 && !found; i++) {
+            found = (int64_t)__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target ||
+                    __atomic_load_n(stop, __ATOMIC_ACQUIRE) == stop_value ||
+                    __atomic_load_n(closed, __ATOMIC_ACQUIRE) == closed_value;
+            cpu_relax();
+        }
+        if (found || now_ns() - start >= spin_ns) break;
+        sched_yield();
+    }
+    busy_poll_end(found, counts);
+}
+
 /* ring_wait(address, target, want_address, stop_address, stop_value, closed_address, closed_value, pid,
- *           timeout) -> rc
+ *           timeout[, spin_ns, counts]) -> rc
  * Wait, with the GIL released, until the 64-bit word at `address` reaches `target`, sleeping in a
  * futex announced in the word at want_address (0: no announcement, timed sleeps). rc as ring_wait
  * above: 0 reached, 1 stopped, 2 closed and unmet, 3 the process `pid` is gone, 4 `timeout` seconds
- * passed (0: no timeout). */
+ * passed (0: no timeout). With spin_ns > 0 it busy polls first (busy_poll_word; counts: the address of
+ * its three counters, or 0). */
 static PyObject *py_ring_wait(PyObject *self, PyObject *args) {
     unsigned long long address, want_address, stop_address, stop_value, closed_address, closed_value;
+    unsigned long long spin_ns = 0, counts_address = 0;
     long long target;
     long pid;
     double timeout;
-    if (!PyArg_ParseTuple(args, "KLKKKKKld", &address, &target, &want_address, &stop_address, &stop_value,
-                          &closed_address, &closed_value, &pid, &timeout))
+    if (!PyArg_ParseTuple(args, "KLKKKKKld|KK", &address, &target, &want_address, &stop_address, &stop_value,
+                          &closed_address, &closed_value, &pid, &timeout, &spin_ns, &counts_address))
         return NULL;
-    if (ring_word_arg(address | want_address | stop_address | closed_address, "ring_wait") < 0) return NULL;
+    if (ring_word_arg(address | want_address | stop_address | closed_address | counts_address, "ring_wait") < 0)
+        return NULL;
     if (address == 0 || stop_address == 0 || closed_address == 0) {
         PyErr_SetString(PyExc_ValueError, "ring_wait needs the position, stop and closed words");
         return NULL;
@@ -1127,6 +1198,9 @@ static PyObject *py_ring_wait(PyObject *self, PyObject *args) {
     if (timeout > 0 && timeout_ns == 0) timeout_ns = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
+    busy_poll_word((const uint64_t *)(uintptr_t)address, (int64_t)target, (const uint64_t *)(uintptr_t)stop_address,
+                   stop_value, (const uint64_t *)(uintptr_t)closed_address, closed_value, spin_ns,
+                   (uint64_t *)(uintptr_t)counts_address);
     rc = ring_wait((const uint64_t *)(uintptr_t)address, (int64_t)target, (uint64_t *)(uintptr_t)want_address,
                    (uint64_t)target, (const uint64_t *)(uintptr_t)stop_address, stop_value, (const uint64_t *)(uintptr_t)closed_address,
                    closed_value, pid, timeout_ns);
@@ -1401,8 +1475,8 @@ static PyMethodDef methods[] = {
      "wait_address, publish_address, stop_address, stop_value, closed_address, closed_value, pid[, want_address, "
      "peer_want_address]) -> (rc, sums or None)"},
     {"ring_wait", py_ring_wait, METH_VARARGS,
-     "ring_wait(address, target, want_address, stop_address, stop_value, closed_address, closed_value, pid, timeout) "
-     "-> rc: wait (futex, GIL released) until the word reaches target"},
+     "ring_wait(address, target, want_address, stop_address, stop_value, closed_address, closed_value, pid, timeout"
+     "[, spin_ns, counts]) -> rc: wait (futex, GIL released) until the word reaches target, busy polling first"},
     {"ring_publish", py_ring_publish, METH_VARARGS,
      "ring_publish(address, value, want_address): store-release a position, waking the other side if it waits"},
     {"ring_wake", py_ring_wake, METH_VARARGS, "ring_wake(address): wake every side sleeping on a position word"},
@@ -1416,7 +1490,8 @@ static PyMethodDef methods[] = {
     {"check_run_table", check_run_table, METH_VARARGS,
      "check_run_table(runs, payload_len, max_payload, max_offset) -> bool: a WRITE run table within the limits"},
     {"recv_frame_head", recv_frame_head, METH_VARARGS,
-     "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered]) -> (status, kind, "
+     "recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered[, spin_ns, counts]]) "
+     "-> (status, kind, "
      "slot, generation, count, body_len, payload_len, header, body)"},
     {"recv_run_table", recv_run_table, METH_VARARGS,
      "recv_run_table(fd, runs, bases, item_lens, num_pages, algo, initial, chunk) -> bytes or None: land a WRITE frame's "
@@ -1458,7 +1533,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyModule_AddIntConstant(m, "SEND_GROUP", SEND_GROUP) < 0 ||
         PyModule_AddIntConstant(m, "RECV_GROUP", RECV_GROUP) < 0 ||
         PyModule_AddIntConstant(m, "DONE_BODY_MAX", DONE_BODY_MAX) < 0 ||
-        PyModule_AddIntConstant(m, "DONE_AUX_MAX", DONE_AUX_MAX) < 0) {
+        PyModule_AddIntConstant(m, "DONE_AUX_MAX", DONE_AUX_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "BUSY_POLLERS", BUSY_POLLERS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,6 +21,15 @@ def _check_threads(transport: str, value: Any) -> None:
         raise ConfigError(f"{transport} option 'send_threads' must be a positive integer, not {value!r}")
 
 
+def _check_busy_poll(transport: str, value: Any) -> None:
+    """A transport's ``busy_poll_us``: an integer from 0 to 1,000,000 (a second), else ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{transport} option 'busy_poll_us' must be an integer from 0 to 1000000 "
+                          f"(microseconds), not {value!r}")
+
+
 @dataclass
 class TcpOptions:
     """Settings of the software transport (:mod:`kvxfer.transport.tcp`)."""
@@ -38,9 +47,16 @@ class TcpOptions:
     # the decode sends a request's RESULT back on the data connection its DONE came on (no hop through
     # either control plane's threads); off, or while a writer leaves them unread: on the control plane
     answer_on_data: bool = field(default=True, metadata={"env": "KVXFER_TCP_ANSWER_ON_DATA"})
+    # a receiving thread about to sleep until its connection's next frame polls the socket this long
+    # first (with the GIL released, yielding the CPU between looks; at most one thread of a process
+    # polls at once), so a frame that comes meanwhile costs no wake-up on either side: the CPU of up to
+    # one core for this long after each frame, for about 40 us less per small request on the 2-core VM
+    # (docs/benchmarks.md, "Busy polling"); 0: sleep at once. Needs the native extension.
+    busy_poll_us: int = field(default=1000, metadata={"env": "KVXFER_TCP_BUSY_POLL_US"})
 
     def __post_init__(self) -> None:
         _check_threads("tcp", self.send_threads)
+        _check_busy_poll("tcp", self.busy_poll_us)
 
 
 @dataclass
@@ -57,9 +73,14 @@ class ShmOptions:
     # ring from the posting thread when the ring has room for it (else from a sending thread); off: always
     # from a sending thread
     inline_send: bool = field(default=True, metadata={"env": "KVXFER_SHM_INLINE_SEND"})
+    # a landing thread about to sleep until its ring's next frame polls the ring this long first, as
+    # tcp's busy_poll_us (at most one thread of a process polls at once, tcp's and shm's together);
+    # 0: a few microseconds, then sleep. Needs the native extension.
+    busy_poll_us: int = field(default=1000, metadata={"env": "KVXFER_SHM_BUSY_POLL_US"})
 
     def __post_init__(self) -> None:
         _check_threads("shm", self.send_threads)
+        _check_busy_poll("shm", self.busy_poll_us)
 
 
 @dataclass

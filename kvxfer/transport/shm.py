@@ -216,10 +216,12 @@ class _Backoff:
     ``closed`` word took its value or ``WAIT_SLICE`` passed; the caller looks at everything again.
     Pure Python: ``SPINS`` yields, then sleeps doubling from ``SLEEP_MIN`` to ``SLEEP_MAX``."""
 
-    __slots__ = ("spins", "delay", "started", "wait", "args")
+    __slots__ = ("spins", "delay", "started", "wait", "args", "poll")
 
     def __init__(self, ring: _Ring, offset: int, target: int, want: int, stop: int, stop_value: int, closed: int,
-                 closed_value: int) -> None:
+                 closed_value: int, poll: tuple[int, int] | None = None) -> None:
+        # ``poll``: (nanoseconds, counts address) of busy polling before the first native wait
+        self.poll = poll
         self.spins = 0
         self.delay = SLEEP_MIN
         self.started = 0.0
@@ -232,7 +234,10 @@ class _Backoff:
             self.started = time.monotonic()
         if self.wait is not None:
             self.spins += 1
-            self.wait(*self.args)
+            if self.poll is not None and self.spins == 1:
+                self.wait(*self.args, *self.poll)
+            else:
+                self.wait(*self.args)
             return
         if self.spins < SPINS:
             self.spins += 1
@@ -466,6 +471,11 @@ class ShmReceiver(ReceiverBackend):
         self.protocol_errors = 0
         self.frames = 0
         self.done_frames = 0  # DONEs that came in the binary DONE frame (the rest came as ORDERED msgpack)
+        # the landing threads poll their ring this long before sleeping for the next frame (C only); what
+        # came of it: [data found while polling, polling ran out, another thread was polling]
+        self._poll_counts = np.zeros(3, dtype=np.uint64)
+        self._busy_poll = ((self.options.busy_poll_us * 1000, int(self._poll_counts.ctypes.data))
+                           if self.options.busy_poll_us and getattr(_native(), "BUSY_POLLERS", 0) else None)
         self.payload_seconds = 0.0  # time inside payload copies (ring -> pages)
         self.busy_seconds = 0.0  # time handling frames, from a published frame to done
         reaped = reap_stale_rings(self.directory)
@@ -640,9 +650,10 @@ class ShmReceiver(ReceiverBackend):
                 if not boundary or ring.load(W_PRODUCER) != consumer:
                     raise ConnectionError("the writer closed inside a frame")
                 raise _Ended
-            if backoff is None:
+            if backoff is None:  # waiting for the next frame: busy polling first (busy_poll_us)
                 backoff = _Backoff(ring, W_PRODUCER, consumer + nbytes, W_READER_WANT, ring.base + W_READER_STATE,
-                                   READER_FENCED, ring.base + W_WRITER_STATE, WRITER_CLOSED)
+                                   READER_FENCED, ring.base + W_WRITER_STATE, WRITER_CLOSED,
+                                   self._busy_poll if boundary else None)
             backoff.pause()
             waited = backoff.waited()
             if waited > LIVENESS_AFTER and waited > next_check:
@@ -748,7 +759,8 @@ class ShmReceiver(ReceiverBackend):
             offers = sum(1 for i in self._offers.values() if i.conn_id is None)
         return {"protocol_errors": self.protocol_errors, "frames": self.frames, "payload_seconds": self.payload_seconds,
                 "busy_seconds": self.busy_seconds, "rings_offered": offers, "ring_bytes": self.ring_bytes,
-                "done_frames": self.done_frames}
+                "done_frames": self.done_frames, "busy_poll_found": int(self._poll_counts[0]),
+                "busy_poll_expired": int(self._poll_counts[1]), "busy_poll_skipped": int(self._poll_counts[2])}
 
     def close(self) -> None:
         """Fence every connection (reporting each through ``on_closed``), withdraw every offer and

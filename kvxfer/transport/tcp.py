@@ -189,15 +189,18 @@ _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
 
-def recv_frame_head(sock: socket.socket, max_ordered: int = 0) -> tuple[f.FrameHeader, Any]:
+def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int = 0,
+                    poll_counts: int = 0) -> tuple[f.FrameHeader, Any]:
     """One frame's header from ``sock`` and, for a WRITE frame, its run table (an array), for a DONE frame
     its DONE (a :class:`~kvxfer.wire.messages.Done`), for an ORDERED frame of at most ``max_ordered`` body
     bytes its body (bytes), read and checked in C
     (``recv_frame_head`` in native/kvxfer_native.c, the twin of :func:`~kvxfer.wire.frames.parse_header`,
     :func:`~kvxfer.wire.frames.parse_runs` and :func:`~kvxfer.wire.frames.parse_done`); other bodies stay in the socket (None). A frame C refuses
-    is parsed by the Python rules, which raise the ProtocolError naming the rule."""
+    is parsed by the Python rules, which raise the ProtocolError naming the rule. ``busy_poll_ns``: poll
+    the socket that long before sleeping in the read (``busy_poll``; ``poll_counts``: the address of its
+    three uint64 counters, or 0)."""
     status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
-        sock.fileno(), *_FRAME_LIMITS, max_ordered)
+        sock.fileno(), *_FRAME_LIMITS, max_ordered, busy_poll_ns, poll_counts)
     if status < 0:
         header = f.parse_header(raw)
         if status == -2:
@@ -305,8 +308,15 @@ class TcpReceiver(ReceiverBackend):
         connect_timeout: float = 5.0,
         max_ordered_body: int = 2 << 20,
         answer_on_data: bool = True,
+        busy_poll_us: int = 0,
     ) -> None:
         from ..core.checksum import ChecksumAlgo, native_id
+
+        # the landing threads poll their socket this long before sleeping for the next frame (C only);
+        # what came of it: [data found while polling, polling ran out, another thread was polling]
+        self._busy_poll_ns = busy_poll_us * 1000 if getattr(native.lib, "BUSY_POLLERS", 0) and _C_FRAME_HEAD else 0
+        self._poll_counts = np.zeros(3, dtype=np.uint64)
+        self._poll_counts_at = int(self._poll_counts.ctypes.data)
 
         # RESULT goes back on the connection its DONE came on (answer), not through the control plane
         self.answer_on_data = answer_on_data
@@ -602,7 +612,8 @@ class TcpReceiver(ReceiverBackend):
             while True:
                 body = None
                 if in_c:  # the header and a WRITE frame's run table or an ORDERED body, in one C call
-                    header, body = recv_frame_head(sock, self.max_ordered_body)
+                    header, body = recv_frame_head(sock, self.max_ordered_body, self._busy_poll_ns,
+                                                   self._poll_counts_at)
                 else:
                     recv_exact(sock, header_view)
                     header = f.parse_header(header_buf)
@@ -747,7 +758,8 @@ class TcpReceiver(ReceiverBackend):
                 "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
                 "answers_sent": self.answers_sent, "answers_declined": self.answers_declined,
                 "answers_split": self.answers_split, "done_frames": self.done_frames,
-                "accept_errors": self.accept_errors}
+                "accept_errors": self.accept_errors, "busy_poll_found": int(self._poll_counts[0]),
+                "busy_poll_expired": int(self._poll_counts[1]), "busy_poll_skipped": int(self._poll_counts[2])}
 
     def fence(self, conn_id: Any) -> bool:
         """Close ``conn_id`` and wait until its thread stopped: afterwards nothing from it lands.
@@ -1533,7 +1545,8 @@ def _receiver(layout: KVLayout, guard: WriteGuard, config: Any, hooks: ReceiverH
                        on_ordered=hooks.on_ordered, on_closed=hooks.on_closed, on_event=hooks.on_event,
                        checksum=config.checksum, staging=_options(config).staging,
                        max_connections=config.max_data_connections, connect_timeout=config.connect_timeout,
-                       max_ordered_body=config.max_ordered_body, answer_on_data=_options(config).answer_on_data)
+                       max_ordered_body=config.max_ordered_body, answer_on_data=_options(config).answer_on_data,
+                       busy_poll_us=_options(config).busy_poll_us)
 
 
 def _sender(layout: KVLayout, config: Any) -> TcpTransport:

@@ -50,7 +50,7 @@ class TcpOptions:
     # a receiving thread about to sleep until its connection's next frame polls the socket this long
     # first (with the GIL released, yielding the CPU between looks; at most one thread of a process
     # polls at once), so a frame that comes meanwhile costs no wake-up on either side: the CPU of up to
-    # one core for this long after each frame, for about 40 us less per small request on the 2-core VM
+    # one core for this long after each frame, for about 45 us less per small request on the 2-core VM
     # (docs/benchmarks.md, "Busy polling"); 0: sleep at once. Needs the native extension.
     busy_poll_us: int = field(default=1000, metadata={"env": "KVXFER_TCP_BUSY_POLL_US"})
 

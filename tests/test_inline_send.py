@@ -469,3 +469,47 @@ def test_a_done_that_cannot_be_posted_fails_the_request_without_raising_out_of_s
         d.abort("cut")
     finally:
         close_checked(made)
+
+
+def test_an_error_in_one_links_unhold_still_unholds_every_other_link():
+    """MLA from prefill TP 1 into decode TP 2: one request's chunk is held on two links while send()
+    posts it. If the first link's last unhold raises after it sent what it claimed (a callback's bug
+    that nothing caught), the error still reaches the caller, and the other link is unheld all the
+    same: its WRITE frame and DONE go out and both decodes verify the request, instead of that link
+    staying held, never sending again, for this request and every later one."""
+    from kvxfer.transport import framed
+
+    from .tp_env import build
+
+    made: list = []
+    try:
+        cluster = build(tp_prefill=1, tp_decode=2, mla=True, head_bytes=64, made=made)
+        p = cluster.prefills[0]
+        cluster.admit("m", 40)
+        cluster.fill("m", 5)
+        links = [peer.link for peer in p.peers.values()]
+        for link in links:
+            until_idle(link)
+        unhold = framed.FrameLink.unhold
+        calls: list = []
+
+        def failing_first(self):
+            calls.append(self)
+            unhold(self)
+            if len(calls) == 1:
+                raise RuntimeError("simulated bug after an unhold")
+
+        framed.FrameLink.unhold = failing_first
+        try:
+            with pytest.raises(RuntimeError, match="simulated bug"):
+                p.send("m")
+        finally:
+            framed.FrameLink.unhold = unhold
+        assert len(calls) == 2, "the second link was never unheld"
+        assert all(link._holding == 0 for link in links)
+        assert p.wait("m", timeout=10).state.value == "SUCCEEDED"
+        for decode in cluster.decodes:
+            assert decode.wait("m", timeout=10).state is ReceiverState.READABLE
+            decode.release("m")
+    finally:
+        close_checked(made)

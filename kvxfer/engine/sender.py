@@ -170,6 +170,19 @@ class DoneBuilder:
             self.built()
 
 
+
+def _unhold_all(links: list[Any]) -> None:
+    """Unhold every link of a post, even when one's unhold raises (its inline send failing where nothing
+    caught it): a link left held never sends again. The first error is raised once all are unheld."""
+    error: BaseException | None = None
+    for link in links:
+        try:
+            link.unhold()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other links
+            error = error or exc
+    if error is not None:
+        raise error
+
 class SenderLink(Protocol):
     """What the sender needs of a transport connection to one receiver. Optional, used when present
     (:class:`kvxfer.transport.base.SenderLink` has them): ``prepare(batch)`` before a send,
@@ -932,8 +945,7 @@ class Sender:
                 return self._post_chunk(req, chunk, start, group, ready=ready, aux=aux, finish=finish,
                                         whole=src_pages is None and start == 0 and chunk.size == len(req.pages))
             finally:
-                for link in links:
-                    link.unhold()
+                _unhold_all(links)
 
     def _post_chunk(self, req: SendRequest, chunk: np.ndarray, start: int, group: np.ndarray, *, ready: Any,
                     aux: bytes, finish: bool, whole: bool) -> SendRequest:

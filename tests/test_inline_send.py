@@ -387,6 +387,21 @@ def test_a_done_queued_behind_another_requests_write_claims_its_own_pages(inline
         close_checked(made)
 
 
+def _mla_request_on_two_idle_links(made: list) -> tuple:
+    """MLA from prefill TP 1 into decode TP 2 (engines added to ``made``): request "m" admitted on both
+    decodes and its sources filled, both links idle. (cluster, the prefill, its links)."""
+    from .tp_env import build
+
+    cluster = build(tp_prefill=1, tp_decode=2, mla=True, head_bytes=64, made=made)
+    p = cluster.prefills[0]
+    cluster.admit("m", 40)
+    cluster.fill("m", 5)
+    links = [peer.link for peer in p.peers.values()]
+    for link in links:
+        until_idle(link)
+    return cluster, p, links
+
+
 def test_a_leg_whose_write_frame_fails_as_it_is_posted_leaves_the_other_legs_untouched():
     """MLA from prefill TP 1 into decode TP 2: one request, two whole-page legs on two links. The first
     leg's WRITE frame fails as send() posts it (a broken socket): the request fails, and no link gets a
@@ -396,16 +411,9 @@ def test_a_leg_whose_write_frame_fails_as_it_is_posted_leaves_the_other_legs_unt
 
     from kvxfer.transport import framed, tcp
 
-    from .tp_env import build
-
     made: list = []
     try:
-        cluster = build(tp_prefill=1, tp_decode=2, mla=True, head_bytes=64, made=made)
-        p = cluster.prefills[0]
-        cluster.admit("m", 40)
-        cluster.fill("m", 5)
-        for link in (peer.link for peer in p.peers.values()):
-            until_idle(link)
+        cluster, p, _links = _mla_request_on_two_idle_links(made)
         send_write, post = tcp.TcpLink._send_write, framed.FrameLink._post
         calls, posted = [], []
 
@@ -479,17 +487,9 @@ def test_an_error_in_one_links_unhold_still_unholds_every_other_link():
     staying held, never sending again, for this request and every later one."""
     from kvxfer.transport import framed
 
-    from .tp_env import build
-
     made: list = []
     try:
-        cluster = build(tp_prefill=1, tp_decode=2, mla=True, head_bytes=64, made=made)
-        p = cluster.prefills[0]
-        cluster.admit("m", 40)
-        cluster.fill("m", 5)
-        links = [peer.link for peer in p.peers.values()]
-        for link in links:
-            until_idle(link)
+        cluster, p, links = _mla_request_on_two_idle_links(made)
         unhold = framed.FrameLink.unhold
         calls: list = []
 

@@ -199,12 +199,10 @@ def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int
     is parsed by the Python rules, which raise the ProtocolError naming the rule. ``busy_poll_ns``: poll
     the socket that long before sleeping in the read (``busy_poll``; ``poll_counts``: the address of its
     three uint64 counters, or 0)."""
-    if busy_poll_ns:  # (an extension built before busy polling takes no such arguments: never asked to poll)
-        status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
-            sock.fileno(), *_FRAME_LIMITS, max_ordered, busy_poll_ns, poll_counts)
-    else:
-        status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
-            sock.fileno(), *_FRAME_LIMITS, max_ordered)
+    # (an extension built before busy polling takes no such arguments, and is never asked to poll)
+    polling = (busy_poll_ns, poll_counts) if busy_poll_ns else ()
+    status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
+        sock.fileno(), *_FRAME_LIMITS, max_ordered, *polling)
     if status < 0:
         header = f.parse_header(raw)
         if status == -2:

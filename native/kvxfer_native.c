@@ -877,6 +877,87 @@ done:
     return out;
 }
 
+/* send_frames(fd, prefixes, prefix_ends, run_ends, addresses, lengths, item_lens, algo, initial, chunk)
+ *   -> bytes or None
+ * Several frames in one call, the GIL released throughout: frame f is prefixes[prefix_ends[f-1]:
+ * prefix_ends[f]] (its header and run table) followed by runs [run_ends[f-1], run_ends[f]), each
+ * frame's runs sent in groups of about `chunk` bytes as send_runs_summed sends them. With algo >= 0 the
+ * item checksums of every group are taken right after it went (item_lens: one per run), returned as
+ * uint32 in run order; with algo -1, item_lens may be empty and None is returned. A frame has at least
+ * one run; the ends are cumulative and end at the arrays' ends. An error raises OSError: how much of
+ * the frames left is unknown, and the connection is to be ended. */
+static PyObject *send_frames(PyObject *self, PyObject *args) {
+    int fd, algo;
+    Py_buffer prefixes, pends, rends, addrs, lens, items;
+    unsigned long long initial, chunk;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*y*iKK", &fd, &prefixes, &pends, &rends, &addrs, &lens, &items, &algo,
+                          &initial, &chunk))
+        return NULL;
+    PyObject *out = NULL;
+    size_t n = 0;
+    checksum_fn fn = NULL;
+    Py_ssize_t count = 0;
+    if (algo >= 0) {
+        fn = pick_checksum(algo);
+        count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
+        if (count < 0) goto done;
+    } else if (parse_runs(&addrs, &lens, &n) < 0) {
+        goto done;
+    }
+    if (pends.len != rends.len || pends.len % 8 != 0 || pends.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "prefix_ends and run_ends must be uint64 arrays of one entry per frame");
+        goto done;
+    }
+    size_t frames = (size_t)pends.len / 8;
+    const uint64_t *pe = (const uint64_t *)pends.buf, *re = (const uint64_t *)rends.buf;
+    for (size_t f = 0; f < frames; f++) {
+        uint64_t p0 = f ? pe[f - 1] : 0, r0 = f ? re[f - 1] : 0;
+        if (pe[f] < p0 || re[f] <= r0) {
+            PyErr_SetString(PyExc_ValueError, "frame ends must grow, and every frame has a run");
+            goto done;
+        }
+    }
+    if (pe[frames - 1] != (uint64_t)prefixes.len || re[frames - 1] != (uint64_t)n) {
+        PyErr_SetString(PyExc_ValueError, "the last frame must end at the end of prefixes and of the runs");
+        goto done;
+    }
+    uint32_t *sums = NULL;
+    if (fn != NULL) {
+        out = PyBytes_FromStringAndSize(NULL, count * 4);
+        if (out == NULL) goto done;
+        sums = (uint32_t *)PyBytes_AS_STRING(out);
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
+    const char *pre = (const char *)prefixes.buf;
+    size_t slot = 0;
+    for (size_t f = 0; f < frames && err == 0; f++) {
+        size_t first = f ? (size_t)re[f - 1] : 0, last = (size_t)re[f];
+        size_t p0 = f ? (size_t)pe[f - 1] : 0;
+        int with_prefix = 1;
+        while (first < last && err == 0) {
+            size_t end = first, bytes = 0;
+            while (end < last && (end == first || bytes + l[end] <= chunk)) bytes += l[end++];
+            err = send_range(fd, pre + p0, with_prefix ? (size_t)pe[f] - p0 : 0, a, l, first, end);
+            if (err == 0 && sums != NULL) sum_items(fn, (uint32_t)initial, a, l, it, first, end, sums, &slot);
+            with_prefix = 0;
+            first = end;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) { errno = err; PyErr_SetFromErrno(PyExc_OSError); Py_CLEAR(out); goto done; }
+    if (out == NULL) { out = Py_None; Py_INCREF(out); }
+done:
+    PyBuffer_Release(&prefixes);
+    PyBuffer_Release(&pends);
+    PyBuffer_Release(&rends);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    return out;
+}
+
 /* checksum_runs(algo, value, addresses, lengths) -> int: the checksum continued over every run in
  * order, in C with the GIL released. */
 static PyObject *checksum_runs(PyObject *self, PyObject *args) {
@@ -1503,6 +1584,9 @@ static PyMethodDef methods[] = {
      "send_runs_nowait(fd, prefix, addresses, lengths) -> int: gather-send without waiting; bytes sent"},
     {"send_summed_done", send_summed_done, METH_VARARGS,
      "send_summed_done(fd, addresses, lengths, item_lens, algo, initial, done, sum_at) -> (done sent, checksum)"},
+    {"send_frames", send_frames, METH_VARARGS,
+     "send_frames(fd, prefixes, prefix_ends, run_ends, addresses, lengths, item_lens, algo, initial, chunk) -> "
+     "uint32 item checksums or None: several frames, each its prefix then its runs"},
     {"send_runs_summed", send_runs_summed, METH_VARARGS,
      "send_runs_summed(fd, prefix, addresses, lengths, item_lens, algo, initial, chunk) -> uint32 item checksums"},
     {"guard_accept", guard_accept, METH_VARARGS,

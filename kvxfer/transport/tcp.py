@@ -93,6 +93,9 @@ SLICE_FRAME_MAX_RUNS = f.MAX_RUNS
 # it landed, or right after the kernel copied it, while it is still in cache
 SUM_CHUNK = getattr(native.lib, "RECV_GROUP", 64 << 10)
 SEND_SUM_CHUNK = getattr(native.lib, "SEND_GROUP", 1 << 20)
+# a batch of several frames goes in C calls of this many frames (the GIL released through each; a
+# cancelled batch stops between calls): 8 frames of 512 runs are 16 MiB of 4 KiB pages
+FRAMES_PER_CALL = 8
 FRAME_MAX_BYTES = 32 << 20  # payload of one frame (and size of each staging buffer), unless an item is larger
 # a write batch at most this large, with an ordered message (its DONE) queued right behind it, leaves
 # as one WRITE frame with that message's frame right behind it: its item checksums are taken after the
@@ -185,6 +188,7 @@ _C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head"
 # lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
 _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
 _C_SEND_SUMMED_DONE = native.lib.send_summed_done if native.provides("send_summed_done") else None
+_C_SEND_FRAMES = native.lib.send_frames if native.provides("send_frames") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
 _KINDS = {int(kind): kind for kind in f.FrameKind}
 
@@ -964,6 +968,7 @@ class TcpLink(FrameLink):
         self.sent_inline = 0  # ... of which left from the posting thread (unhold), no lane involved
         self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
         self.sent_early = 0  # WRITE frames sent by the posting thread as their batch was posted (_send_early)
+        self.frames_in_c = 0  # WRITE frames of batches sent several to a C call (send_frames)
         self._early: tuple[WriteBatch, _Wire] | None = None  # that batch, its DONE not yet sent (the link claimed)
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
@@ -1393,8 +1398,60 @@ class TcpLink(FrameLink):
         if self._staging is not None:
             self._send_batch_staged(job)
             return
-        self._send_batch_frames(job, self._frames(job.batch),
-                                lambda batch, cut, last: self._send_frame(batch, cut, last=last))
+        cuts = self._frames(job.batch)
+        if self.faults is None and _C_SEND_FRAMES is not None and len(cuts) > 1:
+            self._send_frames_in_c(job, cuts)
+            return
+        self._send_batch_frames(job, cuts, lambda batch, cut, last: self._send_frame(batch, cut, last=last))
+
+    def _send_frames_in_c(self, job: WriteJob, cuts: list[FrameCut]) -> None:
+        """A batch of several frames in calls of up to :data:`FRAMES_PER_CALL` frames, each call one C
+        loop with the GIL released (``send_frames``: every frame's header and run table, its runs in
+        groups and their item checksums taken as each group went), instead of a Python step per frame:
+        at 4 KiB pages that step was a tenth of the sending lane's time (perf, tcp bench). The frames'
+        headers, run tables and source addresses are built for the whole call at once. A cancelled
+        batch stops between calls; a call that fails reports its runs failed, as a failed frame did."""
+        batch = job.batch
+        summed = self._sum_fn is not None and batch.sums_ready is None
+        reported = 0
+        try:
+            for at in range(0, len(cuts), FRAMES_PER_CALL):
+                group = cuts[at : at + FRAMES_PER_CALL]
+                if batch.cancelled:
+                    job.on_complete(batch, 0, len(batch) - group[0].runs_before)
+                    return
+                self._send_frame_group(batch, group, summed)
+                done = sum(cut.runs_done for cut in group)
+                if done:
+                    job.on_complete(batch, done, 0)
+                    reported += done
+        except BaseException:
+            if reported < len(batch):
+                job.on_complete(batch, 0, len(batch) - reported)
+            raise
+
+    def _send_frame_group(self, batch: WriteBatch, cuts: list[FrameCut], summed: bool) -> None:
+        """One ``send_frames`` call for ``cuts`` (consecutive frames of ``batch``)."""
+        buffers = np.concatenate([cut.buffers for cut in cuts])
+        lengths = np.concatenate([cut.lengths for cut in cuts]).astype(np.uint64)
+        table = f.pack_runs(buffers, np.concatenate([cut.dst_offsets for cut in cuts]), lengths)
+        addresses = self._src_base[buffers] + np.concatenate([cut.src_offsets for cut in cuts]).astype(np.uint64)
+        prefixes, prefix_ends, run_ends, start = [], [], [], 0
+        for cut in cuts:
+            count = len(cut.lengths)
+            prefixes.append(f.write_header(batch.slot, batch.gen, count, cut.nbytes))
+            prefixes.append(table[start * f.RUN_SIZE : (start + count) * f.RUN_SIZE])
+            start += count
+            prefix_ends.append((prefix_ends[-1] if prefix_ends else 0) + f.HEADER_SIZE + count * f.RUN_SIZE)
+            run_ends.append(start)
+        items = np.concatenate([cut.units for cut in cuts]).astype(np.uint64).tobytes() if summed else b""
+        raw = _C_SEND_FRAMES(self._sock.fileno(), b"".join(prefixes), np.asarray(prefix_ends, dtype=np.uint64).tobytes(),
+                             np.asarray(run_ends, dtype=np.uint64).tobytes(), addresses.tobytes(), lengths.tobytes(),
+                             items, self._sum_fn if summed else -1, self._sum_initial, SEND_SUM_CHUNK)
+        if raw is not None:
+            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), cuts[-1].runs_before + cuts[-1].runs_done == len(batch))
+        self.bytes_sent += sum(cut.nbytes for cut in cuts)
+        self.frames_in_c += len(cuts)
 
     def _frames(self, batch: WriteBatch) -> list[FrameCut]:
         """The frames the batch is cut into: at most :attr:`frame_limit` bytes and

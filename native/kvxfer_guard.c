@@ -19,6 +19,11 @@
  *     How many of `pages` (int64) are not covered in every buffer, and the request checksum combined
  *     from the landed item checksums (buffer-major, as WriteGuard.landed_checksum), or None when an item
  *     has none or algo is -1 (coverage only).
+ * random_take(items, n, out, seed)
+ *     The random free list's pop: len(out) distinct entries of items[0:n] (int64) drawn uniformly at
+ *     random into out, in random order (a partial Fisher-Yates shuffle, splitmix64 from seed); each
+ *     pick's place is filled with the last entry still in the list, so items[0:n-len(out)] holds the
+ *     rest. O(len(out)), where closing the holes with numpy masks cost O(n) several times over.
  * ledger_move(pages, state, stamps, gen, allowed_mask, new_state) -> bool
  *     PageLedger.move's rule: True, and every page (int64) moved to new_state (-1: none, a check only),
  *     when each is inside the pool, in a state of allowed_mask and stamped gen; False, changing nothing,
@@ -298,4 +303,39 @@ done:
     PyBuffer_Release(&state);
     PyBuffer_Release(&stamps);
     return out;
+}
+
+static inline uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+PyObject *random_take(PyObject *self, PyObject *args) {
+    Py_buffer items, out;
+    Py_ssize_t n;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "w*nw*K", &items, &n, &out, &seed)) return NULL;
+    PyObject *result = NULL;
+    size_t count = (size_t)out.len / 8;
+    if (items.len % 8 != 0 || out.len % 8 != 0 || n < 0 || (size_t)n > (size_t)items.len / 8 || count > (size_t)n) {
+        PyErr_SetString(PyExc_ValueError, "items and out must be int64 arrays, out no longer than the n <= len(items) live entries");
+        goto done;
+    }
+    int64_t *it = (int64_t *)items.buf, *o = (int64_t *)out.buf;
+    uint64_t x = seed, live = (uint64_t)n;
+    Py_BEGIN_ALLOW_THREADS  /* the caller holds the ledger's lock; the arrays are its own */
+    for (size_t i = 0; i < count; i++, live--) {
+        uint64_t j = (uint64_t)(((unsigned __int128)splitmix64(&x) * live) >> 64);
+        o[i] = it[j];
+        it[j] = it[live - 1];
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&items);
+    PyBuffer_Release(&out);
+    return result;
 }

@@ -10,6 +10,7 @@ PyObject *guard_accept(PyObject *self, PyObject *args);
 PyObject *guard_record(PyObject *self, PyObject *args);
 PyObject *guard_landed(PyObject *self, PyObject *args);
 PyObject *ledger_move(PyObject *self, PyObject *args);
+PyObject *random_take(PyObject *self, PyObject *args);
 
 /* Combining piece checksums (algo 0 = Adler-32, 1 = CRC32): prepare once per piece length (-1 with an
  * exception set when zlib-ng's functions are not loaded), then step per piece. */

@@ -1596,6 +1596,9 @@ static PyMethodDef methods[] = {
      "written) -> (duplicate_items, bytes)"},
     {"guard_landed", guard_landed, METH_VARARGS,
      "guard_landed(pages, item_lens, num_pages, covered, summed, item_sum, algo, initial) -> (uncovered, checksum)"},
+    {"random_take", random_take, METH_VARARGS,
+     "random_take(items, n, out, seed): len(out) distinct entries of items[:n] at random into out, the rest "
+     "kept in items[:n - len(out)]"},
     {"ledger_move", ledger_move, METH_VARARGS,
      "ledger_move(pages, state, stamps, gen, allowed_mask, new_state) -> bool: check and move owned pages"},
     {NULL, NULL, 0, NULL},

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
+from kvxfer.core import native as native_module
 from kvxfer.core.checksum import ChecksumAlgo, checksum_pages, page_runs
 from kvxfer.core.layout import KVLayout
 from kvxfer.core.ledger import AllocPolicy, PageLedger, PageState
@@ -52,7 +53,48 @@ def test_random_policy_is_seeded_and_covers_the_pool():
     ledger.check_invariants()
 
 
-def test_random_policy_keeps_the_free_list_exact_through_churn():
+@pytest.fixture(params=["c", "numpy"])
+def random_pop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Large random pops in C (``random_take``, where the extension is built) or with numpy's choice."""
+    from kvxfer.core import ledger as ledger_module
+
+    if request.param == "c" and ledger_module._RANDOM_TAKE is None:
+        pytest.skip(f"the native random_take: {native_module.describe()}")
+    if request.param == "numpy":
+        monkeypatch.setattr(ledger_module, "_RANDOM_TAKE", None)
+    return request.param
+
+
+def test_random_pops_are_uniform_over_the_free_pages(random_pop: str):
+    """Pops of 40 pages (past the one-by-one picks) from 200 free pages, 3,000 times: every page is drawn
+    about as often as any other (each count within 6 standard deviations of 600), and a pop's order is
+    random too (its first entry is no more often the list's first than any other)."""
+    ledger = PageLedger(200, policy="random", seed=3)
+    counts = np.zeros(200, dtype=np.int64)
+    first = np.zeros(200, dtype=np.int64)
+    for gen in range(1, 3001):
+        pages = ledger.allocate(40, gen)
+        assert len(np.unique(pages)) == 40
+        counts[pages] += 1
+        first[pages[0]] += 1
+        ledger.release(pages, gen, allowed=(PageState.RESERVED,))
+    expected, sd = 3000 * 40 / 200, (3000 * 0.2 * 0.8) ** 0.5
+    assert np.abs(counts - expected).max() < 6 * sd, counts
+    assert first.max() < 15 + 6 * (15 ** 0.5), first  # 3,000 firsts over 200 pages: 15 each
+
+
+def test_random_take_refuses_what_does_not_fit_its_arrays():
+    if not native_module.provides("random_take"):
+        pytest.skip(f"the native random_take: {native_module.describe()}")
+    items, out = np.arange(10, dtype=np.int64), np.empty(4, dtype=np.int64)
+    for bad in ((items, 11, out), (items, 3, out), (items, -1, out), (items.astype(np.int32)[:9], 2, out)):
+        with pytest.raises(ValueError, match="int64"):
+            native_module.lib.random_take(*bad, 7)
+    native_module.lib.random_take(items, 10, out, 7)
+    assert sorted(out.tolist() + items[:6].tolist()) == list(range(10))
+
+
+def test_random_policy_keeps_the_free_list_exact_through_churn(random_pop: str):
     """The random free list closes the holes a pop leaves with its tail's survivors: through random
     allocations and releases every page is either free once or held once, and every page is handed out
     over time (the choice stays uniform over what is free, not biased to the list's front)."""

@@ -244,3 +244,45 @@ def test_a_write_frame_larger_than_the_staging_buffer_is_refused_before_its_payl
             decode.release("next")
             writer.wait("next")
         decode.check_accounting()
+
+
+def _greedy_reference(batch: WriteBatch, limit: int, max_runs: int) -> list[tuple[int, int, int]]:
+    """(first run, end run, bytes) of each frame of runs no longer than ``limit``: as many whole runs
+    as fit ``limit`` bytes and ``max_runs`` runs, in order."""
+    frames, run, lengths = [], 0, batch.lengths.tolist()
+    while run < len(lengths):
+        end, nbytes = run, 0
+        while end < len(lengths) and end - run < max_runs and nbytes + lengths[end] <= limit:
+            nbytes += lengths[end]
+            end += 1
+        frames.append((run, end, nbytes))
+        run = end
+    return frames
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cutting_by_run_count_gives_the_greedy_frames(seed: int):
+    """Batches of whole-page runs no longer than the limit, cut with limits on both sides of
+    ``max_runs`` times the longest run (where the cutter takes runs by count alone, and where bytes
+    decide): every frame is the greedy one, whole runs, in order, with its units."""
+    rng = np.random.default_rng(seed)
+    item_lens = np.array([1024, 4096, 512], dtype=np.int64)
+    n = int(rng.integers(2, 3000))
+    buffers = rng.integers(0, 3, n)
+    pages = rng.integers(1, 9, n)
+    lengths = item_lens[buffers] * pages
+    batch = _batch(buffers, rng.integers(0, 1000, n) * item_lens[buffers],
+                   rng.integers(0, 1000, n) * item_lens[buffers], lengths)
+    max_runs = int(rng.integers(1, 600))
+    longest = int(lengths.max())
+    limit = int(rng.choice([max_runs * longest, max_runs * longest + int(rng.integers(0, 5000)),
+                            max(longest, max_runs * longest // 3)]))
+    cuts = _check_cut(batch, item_lens, limit, max_runs)
+    want = _greedy_reference(batch, limit, max_runs)
+    assert [(c.runs_before, c.runs_before + c.runs_done, c.nbytes) for c in cuts] == want
+    for cut, (a, b, _n) in zip(cuts, want):
+        assert np.array_equal(cut.buffers, batch.buffers[a:b]) and np.array_equal(cut.lengths, batch.lengths[a:b])
+        assert np.array_equal(cut.src_offsets, batch.src_offsets[a:b])
+        assert np.array_equal(cut.dst_offsets, batch.dst_offsets[a:b])
+        assert np.array_equal(cut.units, item_lens[batch.buffers[a:b]])
+    assert np.array_equal(batch.item_counts(item_lens), pages)

@@ -109,7 +109,7 @@ class DoneBuilder:
             # each batch's sums run buffer-major over its chunk, one per unit (a page, or a slice's
             # piece); a stable sort by buffer puts them in canonical order: buffer by buffer, chunks in order
             units = [b.unit_lengths(self.layout.item_lens) for b in self.batches]
-            counts = [b.lengths // u for b, u in zip(self.batches, units)]
+            counts = [b.item_counts(self.layout.item_lens) for b in self.batches]
             if len(self.batches) == 1:  # one chunk: its sums are in canonical order already
                 return combine(self.algo, self.batches[0].item_sums, np.repeat(units[0], counts[0]))
             buffers = np.concatenate([np.repeat(b.buffers, c) for b, c in zip(self.batches, counts)])

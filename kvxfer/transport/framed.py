@@ -208,7 +208,7 @@ class FrameLink(SenderLink, LaneLink):
     def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
         """Append one frame's item checksums to the batch's (frames go out in batch order)."""
         if batch.item_sums is None:
-            items = batch.lengths // batch.unit_lengths(self.layout.item_lens)
+            items = batch.item_counts(self.layout.item_lens)
             batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)
             batch.sums_filled = 0
         batch.item_sums[batch.sums_filled : batch.sums_filled + len(sums)] = sums

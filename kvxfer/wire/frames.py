@@ -163,7 +163,11 @@ def check_runs(runs: np.ndarray, what: str) -> np.ndarray:
 
 
 def write_header(slot: int, generation: int, count: int, payload_len: int) -> bytes:
-    return FrameHeader(FrameKind.WRITE, slot, generation, count, count * RUN_SIZE, payload_len).pack()
+    """A WRITE frame's header (what ``FrameHeader(FrameKind.WRITE, ...).pack()`` gives, without the object)."""
+    return HEADER.pack(MAGIC, FRAME_VERSION, _WRITE_KIND, slot, generation, count, count * RUN_SIZE, payload_len)
+
+
+_WRITE_KIND = int(FrameKind.WRITE)
 
 
 CONNECT_BODY_MAX = 32 << 10  # a CONNECT holds an engine id (at most 4096 characters), an epoch and a proof

@@ -171,7 +171,9 @@ def test_multi_frame_requests_land_exact_and_verified(engines, monkeypatch, chec
     """Scattered pages (random allocation on both sides) make one run per page and buffer: 1,200 pages of
     3 buffers are 3,600 runs, 8 frames of 512 runs, one C call; with frames of 5 runs and calls of 3
     frames, 720 frames in 240 calls. Either way the decode gets every byte, verifies the request and
-    reads exactly what the prefill held, and the link counts every frame as sent through send_frames."""
+    reads exactly what the prefill held, and the link counts every frame as sent through send_frames. The
+    decode verifies each in one pass over the write guard and one over the ledger (no checksum: coverage
+    and counts only), as it does a small request."""
     if max_runs is not None:
         monkeypatch.setattr(tcp, "FRAME_MAX_RUNS", max_runs)
         monkeypatch.setattr(tcp, "FRAMES_PER_CALL", per_call)
@@ -188,9 +190,12 @@ def test_multi_frame_requests_land_exact_and_verified(engines, monkeypatch, chec
         assert (np.diff(src) != 1).mean() > 0.9, "the pages are not scattered"
         fill_random(pair.prefill.layout, src, seed=round_)
         before = pair.link.frames_in_c
+        at_once = pair.decode.receiver.stats["verified_at_once"]
         pair.prefill.send(rid)
         req = pair.decode.wait(rid, timeout=30)
         assert req.state is ReceiverState.READABLE, (req.state, req.error)
+        # verified in one pass over the guard and one over the ledger, as a small request is
+        assert pair.decode.receiver.stats["verified_at_once"] == at_once + 1
         with pair.decode.read(rid) as kv:  # the read's lease holds the pages until it ends
             for b, view in enumerate(pair.prefill.layout.views()):
                 assert np.array_equal(kv.buffer(b), view[src]), f"buffer {b} differs"
@@ -199,3 +204,21 @@ def test_multi_frame_requests_land_exact_and_verified(engines, monkeypatch, chec
         runs = pages * 3
         frames = -(-runs // (max_runs or tcp.FRAME_MAX_RUNS))
         wait_for(lambda before=before, frames=frames: pair.link.frames_in_c - before == frames, timeout=5)
+
+
+def test_a_corrupted_large_request_is_still_refused_naming_the_checksum(engines):
+    """The one-pass verification a large request now gets first accepts nothing the full one would
+    refuse: a flipped byte in one frame of a 1,200-page scattered request fails it naming the checksum,
+    the decode reads nothing, and every page is free again."""
+    from kvxfer.errors import NotReadable
+
+    pages = 1200
+    pair = engines(prefill_pages=pages, decode_pages=pages + 64, alloc_policy="random", seed=12)
+    pair.faults.flip_next_write()
+    pair.transfer("bad", pages * 16, seed=3)
+    req = pair.decode.wait("bad", timeout=30)
+    assert req.state is ReceiverState.FAILED and req.error.check == "checksum", (req.state, req.error)
+    with pytest.raises(NotReadable):
+        pair.decode.read("bad")
+    pair.prefill.wait("bad", timeout=10)
+    assert pair.decode.pool.ledger.free_count == pair.decode.layout.num_pages

@@ -432,10 +432,11 @@ class PageLedger:
         ``generation`` can still land (completion, drain acknowledgement or fence)."""
         pages = _as_pages(pages)
         allowed = tuple(allowed)
-        if not self.holds(pages, generation, allowed):
+        if not self._moved_in_c(pages, generation, allowed, int(_FREE)):  # checked and freed in one pass
             ok = self.owned_by(pages, generation, allowed)
-            self._raise_not_owned(pages[~ok], generation, allowed, "release")
-        self.state[pages] = _FREE
+            if not all_set(ok):
+                self._raise_not_owned(pages[~ok], generation, allowed, "release")
+            self.state[pages] = _FREE
         self._free.push(pages)
         self.releases += 1
 

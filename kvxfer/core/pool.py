@@ -164,6 +164,9 @@ class PagePool:
     def release(self, pages: np.ndarray, generation: int, *, allowed: Iterable[PageState]) -> None:
         """Scrub (per policy) and free pages owned by ``generation``, after checking ownership."""
         allowed = tuple(allowed)
+        if self.free_policy is FreePolicy.KEEP:  # nothing to scrub: the ledger's one check-and-free pass
+            self.ledger.release(pages, generation, allowed=allowed)
+            return
         if not self.ledger.holds(pages, generation, allowed):
             # Let the ledger raise its detailed error before any byte is scrubbed.
             self.ledger.release(pages, generation, allowed=allowed)

@@ -207,17 +207,17 @@ def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_run
         raise ValueError(f"an item of {largest} bytes does not fit a frame of {max_bytes} bytes")
     if max_runs < 1:
         raise ValueError("a frame holds at least one run")
+    if int(lengths.max()) * max_runs <= max_bytes:  # any max_runs runs fit: what the loop cuts, by run count
+        starts = range(0, total, max_runs)
+        sizes = np.add.reduceat(lengths, np.arange(0, total, max_runs)).tolist()
+        return [FrameCut(buffers=batch.buffers[a : a + max_runs], src_offsets=batch.src_offsets[a : a + max_runs],
+                         dst_offsets=batch.dst_offsets[a : a + max_runs], lengths=lengths[a : a + max_runs],
+                         nbytes=size, runs_before=a, runs_done=min(max_runs, total - a), units=items[a : a + max_runs])
+                for a, size in zip(starts, sizes)]
     ends = np.cumsum(lengths)  # where each run ends in the batch's byte stream
     if total <= max_runs and int(ends[-1]) <= max_bytes:  # one frame (a small request): what the loop cuts
         return [FrameCut(buffers=batch.buffers, src_offsets=batch.src_offsets, dst_offsets=batch.dst_offsets,
                          lengths=lengths, nbytes=int(ends[-1]), runs_before=0, runs_done=total, units=items)]
-    if int(lengths.max()) * max_runs <= max_bytes:  # any max_runs runs fit: what the loop cuts, by run count
-        starts = range(0, total, max_runs)
-        return [FrameCut(buffers=batch.buffers[a : a + max_runs], src_offsets=batch.src_offsets[a : a + max_runs],
-                         dst_offsets=batch.dst_offsets[a : a + max_runs], lengths=lengths[a : a + max_runs],
-                         nbytes=int(ends[min(a + max_runs, total) - 1]) - (int(ends[a - 1]) if a else 0),
-                         runs_before=a, runs_done=min(max_runs, total - a), units=items[a : a + max_runs])
-                for a in starts]
     cuts: list[FrameCut] = []
     run, off = 0, 0  # the next byte to cut: ``off`` bytes into run ``run``
     while run < total:

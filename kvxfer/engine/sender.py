@@ -111,7 +111,8 @@ class DoneBuilder:
             units = [b.unit_lengths(self.layout.item_lens) for b in self.batches]
             counts = [b.item_counts(self.layout.item_lens) for b in self.batches]
             if len(self.batches) == 1:  # one chunk: its sums are in canonical order already
-                return combine(self.algo, self.batches[0].item_sums, np.repeat(units[0], counts[0]))
+                single = int(counts[0].max()) == 1  # a run per page (scattered pages): a sum per run
+                return combine(self.algo, self.batches[0].item_sums, units[0] if single else np.repeat(units[0], counts[0]))
             buffers = np.concatenate([np.repeat(b.buffers, c) for b, c in zip(self.batches, counts)])
             lengths = np.concatenate([np.repeat(u, c) for u, c in zip(units, counts)])
             values = np.concatenate([b.item_sums for b in self.batches])

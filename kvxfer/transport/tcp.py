@@ -63,7 +63,7 @@ import numpy as np
 from ..core import native
 from ..core.arguments import split_host_port
 from ..core.layout import KVLayout
-from ..core.runs import FrameCut, WriteBatch, cut_frames
+from ..core.runs import RUN_DTYPE, FrameCut, WriteBatch, cut_frames
 from ..core.writeguard import WriteGuard
 from ..errors import InvalidArgument, KvxferError, ProtocolError, TransportError, WriteRefused
 from ..wire import frames as f
@@ -1431,23 +1431,31 @@ class TcpLink(FrameLink):
             raise
 
     def _send_frame_group(self, batch: WriteBatch, cuts: list[FrameCut], summed: bool) -> None:
-        """One ``send_frames`` call for ``cuts`` (consecutive frames of ``batch``)."""
+        """One ``send_frames`` call for ``cuts`` (consecutive frames of ``batch``): every frame's header
+        and run table written into one buffer, the runs' arrays handed over as they are (no copies)."""
         buffers = np.concatenate([cut.buffers for cut in cuts])
         lengths = np.concatenate([cut.lengths for cut in cuts]).astype(np.uint64)
-        table = f.pack_runs(buffers, np.concatenate([cut.dst_offsets for cut in cuts]), lengths)
+        runs = np.zeros(len(buffers), dtype=RUN_DTYPE)  # the frames' run tables, back to back
+        runs["buffer"] = buffers
+        runs["offset"] = np.concatenate([cut.dst_offsets for cut in cuts])
+        runs["length"] = lengths
+        table = runs.view(np.uint8)
         addresses = self._src_base[buffers] + np.concatenate([cut.src_offsets for cut in cuts]).astype(np.uint64)
-        prefixes, prefix_ends, run_ends, start = [], [], [], 0
-        for cut in cuts:
-            count = len(cut.lengths)
-            prefixes.append(f.write_header(batch.slot, batch.gen, count, cut.nbytes))
-            prefixes.append(table[start * f.RUN_SIZE : (start + count) * f.RUN_SIZE])
-            start += count
-            prefix_ends.append((prefix_ends[-1] if prefix_ends else 0) + f.HEADER_SIZE + count * f.RUN_SIZE)
-            run_ends.append(start)
-        items = np.concatenate([cut.units for cut in cuts]).astype(np.uint64).tobytes() if summed else b""
-        raw = _C_SEND_FRAMES(self._sock.fileno(), b"".join(prefixes), np.asarray(prefix_ends, dtype=np.uint64).tobytes(),
-                             np.asarray(run_ends, dtype=np.uint64).tobytes(), addresses.tobytes(), lengths.tobytes(),
-                             items, self._sum_fn if summed else -1, self._sum_initial, SEND_SUM_CHUNK)
+        counts = [len(cut.lengths) for cut in cuts]
+        run_ends = np.cumsum(counts, dtype=np.uint64)
+        prefix_ends = run_ends * np.uint64(f.RUN_SIZE) + np.arange(1, len(cuts) + 1, dtype=np.uint64) * np.uint64(f.HEADER_SIZE)
+        prefixes = np.empty(int(prefix_ends[-1]), dtype=np.uint8)
+        at = first = 0
+        for cut, count in zip(cuts, counts):
+            prefixes[at : at + f.HEADER_SIZE] = np.frombuffer(f.write_header(batch.slot, batch.gen, count, cut.nbytes),
+                                                               dtype=np.uint8)
+            at += f.HEADER_SIZE
+            prefixes[at : at + count * f.RUN_SIZE] = table[first * f.RUN_SIZE : (first + count) * f.RUN_SIZE]
+            at += count * f.RUN_SIZE
+            first += count
+        items = np.concatenate([cut.units for cut in cuts]).astype(np.uint64) if summed else b""
+        raw = _C_SEND_FRAMES(self._sock.fileno(), prefixes, prefix_ends, run_ends, addresses, lengths, items,
+                             self._sum_fn if summed else -1, self._sum_initial, SEND_SUM_CHUNK)
         if raw is not None:
             self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), cuts[-1].runs_before + cuts[-1].runs_done == len(batch))
         self.bytes_sent += sum(cut.nbytes for cut in cuts)

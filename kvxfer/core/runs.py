@@ -73,7 +73,7 @@ class WriteBatch:
     wire: Any = None
     # unit_lengths and item_counts for one item_lens array, computed once (a batch's runs never change):
     # the frame cut, the kept sums and DONE's checksum each asked again, 16,384 runs at a time
-    _units: Any = field(default=None, repr=False, compare=False)
+    _units: Any = field(default=None, init=False, repr=False, compare=False)
 
     def unit_lengths(self, item_lens: np.ndarray) -> np.ndarray:
         """Each run's checksum unit: a piece of a head slice, else a page of its buffer (read-only)."""
@@ -207,6 +207,11 @@ def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_run
         raise ValueError(f"an item of {largest} bytes does not fit a frame of {max_bytes} bytes")
     if max_runs < 1:
         raise ValueError("a frame holds at least one run")
+    if total <= max_runs:  # one frame (a small request) when it fits: what the loop cuts
+        nbytes = int(lengths.sum())
+        if nbytes <= max_bytes:
+            return [FrameCut(buffers=batch.buffers, src_offsets=batch.src_offsets, dst_offsets=batch.dst_offsets,
+                             lengths=lengths, nbytes=nbytes, runs_before=0, runs_done=total, units=items)]
     if int(lengths.max()) * max_runs <= max_bytes:  # any max_runs runs fit: what the loop cuts, by run count
         starts = range(0, total, max_runs)
         sizes = np.add.reduceat(lengths, np.arange(0, total, max_runs)).tolist()
@@ -215,9 +220,6 @@ def cut_frames(batch: WriteBatch, item_lens: np.ndarray, max_bytes: int, max_run
                          nbytes=size, runs_before=a, runs_done=min(max_runs, total - a), units=items[a : a + max_runs])
                 for a, size in zip(starts, sizes)]
     ends = np.cumsum(lengths)  # where each run ends in the batch's byte stream
-    if total <= max_runs and int(ends[-1]) <= max_bytes:  # one frame (a small request): what the loop cuts
-        return [FrameCut(buffers=batch.buffers, src_offsets=batch.src_offsets, dst_offsets=batch.dst_offsets,
-                         lengths=lengths, nbytes=int(ends[-1]), runs_before=0, runs_done=total, units=items)]
     cuts: list[FrameCut] = []
     run, off = 0, 0  # the next byte to cut: ``off`` bytes into run ``run``
     while run < total:

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -57,6 +58,22 @@ def free_port_pair() -> int:
                     continue
         return port
     raise RuntimeError("no two consecutive free ports")
+
+
+def read_in_background(sock: socket.socket, total: int) -> tuple[threading.Thread, bytearray]:
+    """A started thread reading ``sock`` into the returned bytearray until ``total`` bytes or EOF (join it)."""
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < total:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader, got
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

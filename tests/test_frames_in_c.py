@@ -20,7 +20,7 @@ from kvxfer import ReceiverState
 from kvxfer.core import native
 from kvxfer.transport import tcp
 
-from .conftest import fill_random, wait_for
+from .conftest import fill_random, read_in_background, wait_for
 
 needs_send_frames = pytest.mark.skipif(
     not native.provides("send_frames") or not native.checksums_in_c,
@@ -54,17 +54,7 @@ def _send_and_read(prefixes: list[bytes], frames: list[list[tuple[int, int, int]
     run_ends = np.cumsum([len(frame) for frame in frames]).astype(np.uint64)
     total = int(prefix_ends[-1]) + int(lengths.sum())
     a, b = socket.socketpair()
-    got = bytearray()
-
-    def read() -> None:
-        while len(got) < total:
-            chunk_in = b.recv(1 << 20)
-            if not chunk_in:
-                return
-            got.extend(chunk_in)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    reader, got = read_in_background(b, total)
     try:
         sums = native.lib.send_frames(a.fileno(), b"".join(prefixes), prefix_ends.tobytes(), run_ends.tobytes(),
                                       addresses.tobytes(), lengths.tobytes(), items, algo, INITIAL[algo], chunk)

@@ -11,6 +11,8 @@ import pytest
 
 from kvxfer.core import native
 
+from .conftest import read_in_background
+
 
 def test_choice_is_reported():
     text = native.describe()
@@ -105,17 +107,7 @@ def test_send_runs_in_groups_keeps_every_byte_in_order():
     src = rng.integers(0, 256, 12 << 20, dtype=np.uint8)
     lengths = np.array([3 << 20, 0, 64 << 10, 1 << 20, (4 << 20) - (64 << 10), 1 << 20], dtype=np.uint64)
     offsets = np.array([8 << 20, 0, 1 << 20, 5 << 20, 2 << 20, 11 << 20], dtype=np.uint64)
-    got = bytearray()
-
-    def read() -> None:
-        while len(got) < 4 + int(lengths.sum()) + 2:
-            chunk = b.recv(1 << 20)
-            if not chunk:
-                return
-            got.extend(chunk)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    reader, got = read_in_background(b, 4 + int(lengths.sum()) + 2)
     native.lib.send_runs(a.fileno(), b"HEAD", (src.ctypes.data + offsets).tobytes(), lengths.tobytes())
     native.lib.send_runs(a.fileno(), b"PZ", b"", b"")
     reader.join(10)

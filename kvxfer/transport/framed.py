@@ -167,17 +167,26 @@ class FrameLink(SenderLink, LaneLink):
     def _send_batch_frames(self, job: WriteJob, cuts: Iterable[FrameCut],
                            send_frame: Callable[[WriteBatch, FrameCut, bool], None]) -> None:
         """Send ``job``'s batch frame by frame, reporting each frame's runs as it goes."""
+        self._send_batch_steps(job, ([cut] for cut in cuts), lambda batch, group, last: send_frame(batch, group[0], last))
+
+    def _send_batch_steps(self, job: WriteJob, steps: Iterable[list[FrameCut]],
+                          send_step: Callable[[WriteBatch, list[FrameCut], bool], None]) -> None:
+        """Send ``job``'s batch a step of consecutive frames at a time (``send_step(batch, frames, last)``),
+        reporting each step's runs as it goes: a cancelled batch stops between steps, and when a step
+        raises every run not yet reported is reported failed."""
         batch = job.batch
         reported = 0
         try:
-            for cut in cuts:
+            for group in steps:
                 if batch.cancelled:
-                    job.on_complete(batch, 0, len(batch) - cut.runs_before)
+                    job.on_complete(batch, 0, len(batch) - group[0].runs_before)
                     return
-                send_frame(batch, cut, cut.runs_before + cut.runs_done == len(batch))
-                if cut.runs_done:
-                    job.on_complete(batch, cut.runs_done, 0)
-                    reported += cut.runs_done
+                end = group[-1]
+                send_step(batch, group, end.runs_before + end.runs_done == len(batch))
+                done = sum(cut.runs_done for cut in group)
+                if done:
+                    job.on_complete(batch, done, 0)
+                    reported += done
         except BaseException:
             if reported < len(batch):  # the pipe failed mid-batch: the rest is reported failed
                 job.on_complete(batch, 0, len(batch) - reported)

@@ -1411,26 +1411,11 @@ class TcpLink(FrameLink):
         at 4 KiB pages that step was a tenth of the sending lane's time (perf, tcp bench). The frames'
         headers, run tables and source addresses are built for the whole call at once. A cancelled
         batch stops between calls; a call that fails reports its runs failed, as a failed frame did."""
-        batch = job.batch
-        summed = self._sum_fn is not None and batch.sums_ready is None
-        reported = 0
-        try:
-            for at in range(0, len(cuts), FRAMES_PER_CALL):
-                group = cuts[at : at + FRAMES_PER_CALL]
-                if batch.cancelled:
-                    job.on_complete(batch, 0, len(batch) - group[0].runs_before)
-                    return
-                self._send_frame_group(batch, group, summed)
-                done = sum(cut.runs_done for cut in group)
-                if done:
-                    job.on_complete(batch, done, 0)
-                    reported += done
-        except BaseException:
-            if reported < len(batch):
-                job.on_complete(batch, 0, len(batch) - reported)
-            raise
+        summed = self._sum_fn is not None and job.batch.sums_ready is None
+        steps = (cuts[at : at + FRAMES_PER_CALL] for at in range(0, len(cuts), FRAMES_PER_CALL))
+        self._send_batch_steps(job, steps, lambda batch, group, last: self._send_frame_group(batch, group, summed, last))
 
-    def _send_frame_group(self, batch: WriteBatch, cuts: list[FrameCut], summed: bool) -> None:
+    def _send_frame_group(self, batch: WriteBatch, cuts: list[FrameCut], summed: bool, last: bool) -> None:
         """One ``send_frames`` call for ``cuts`` (consecutive frames of ``batch``): every frame's header
         and run table written into one buffer, the runs' arrays handed over as they are (no copies)."""
         buffers = np.concatenate([cut.buffers for cut in cuts])
@@ -1457,7 +1442,7 @@ class TcpLink(FrameLink):
         raw = _C_SEND_FRAMES(self._sock.fileno(), prefixes, prefix_ends, run_ends, addresses, lengths, items,
                              self._sum_fn if summed else -1, self._sum_initial, SEND_SUM_CHUNK)
         if raw is not None:
-            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), cuts[-1].runs_before + cuts[-1].runs_done == len(batch))
+            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
         self.bytes_sent += sum(cut.nbytes for cut in cuts)
         self.frames_in_c += len(cuts)
 

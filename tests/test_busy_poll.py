@@ -160,7 +160,10 @@ def test_an_engine_reads_frames_from_its_poll_and_stops_polling_when_idle(engine
     assert pair.decode.config.options(transport_name).busy_poll_us == 1000
     _one_page_requests(pair, 8)
     found, expired, skipped = _polls(pair)
-    assert found >= 8 and skipped == 0, _polls(pair)  # each DONE, at least, is behind its WRITE frame
+    # Each request's first frame comes while the thread waits for it, so each of the last seven began a
+    # poll; on a loaded machine a sender descheduled for over a millisecond lets some run out (seen in
+    # CI: 6 found, 7 ran out), so only some must have found their frame.
+    assert found >= 1 and found + expired >= 7 and skipped == 0, _polls(pair)
     time.sleep(0.05)  # the last poll ran out by now
     idle = _polls(pair)
     assert idle[EXPIRED] >= 1 and idle[FOUND] == found, idle  # the poll after the last frame ran out
@@ -169,8 +172,9 @@ def test_an_engine_reads_frames_from_its_poll_and_stops_polling_when_idle(engine
     assert time.process_time() - cpu < 0.1, "an idle engine kept polling"
     assert _polls(pair) == idle  # asleep: no look at the socket or ring while nothing comes
     _one_page_requests(pair, 1)  # woken from its sleep as without polling
-    if transport_name == "tcp":  # every read polls first: its DONE was found by the poll (shm looks before it polls)
-        assert _polls(pair)[FOUND] > idle[FOUND]
+    if transport_name == "tcp":  # every read polls first: the read of its DONE polled again (shm looks first)
+        after = _polls(pair)
+        assert after[FOUND] + after[EXPIRED] > idle[FOUND] + idle[EXPIRED], (idle, after)
 
 
 @pytest.mark.parametrize("transport_name", ["tcp", "shm"])

@@ -385,6 +385,77 @@ static PyObject *parse_done_body(const uint8_t *b, uint32_t body_len) {
                          (const char *)(id + rid_len), (Py_ssize_t)aux_len);
 }
 
+/* A data frame's 32-byte header and what frames.py's parse_header makes of it (status, see recv_frame_head). */
+struct frame_head {
+    uint8_t h[32];
+    int status;
+    uint8_t kind;
+    uint32_t slot, count, body_len;
+    uint64_t gen, payload_len;
+};
+
+/* Check fh->h as parse_header does; status 0 (WRITE), 2 (ORDERED of at most max_ordered body bytes), 3 (DONE)
+ * when the body is to be read with the header, 1 for another valid header, -1 when it breaks a rule. */
+static void check_frame_head(struct frame_head *fh, unsigned int version, unsigned int max_runs, uint64_t max_payload,
+                             uint64_t max_message, uint64_t max_ordered) {
+    const uint8_t *h = fh->h;
+    fh->kind = h[3];
+    memcpy(&fh->slot, h + 4, 4);
+    memcpy(&fh->gen, h + 8, 8);
+    memcpy(&fh->count, h + 16, 4);
+    memcpy(&fh->body_len, h + 20, 4);
+    memcpy(&fh->payload_len, h + 24, 8);
+    uint8_t kind = fh->kind;
+    uint32_t count = fh->count, body_len = fh->body_len;
+    uint64_t payload_len = fh->payload_len;
+    int status = 1;
+    if (h[0] != 'K' || h[1] != 'X' || h[2] != version || kind < 1 || (kind > 3 && kind != 5)) status = -1;
+    else if (kind == 5) {  /* DONE in its fixed binary layout: its body is read here, parsed by the caller */
+        if (count != 0 || payload_len != 0 || body_len <= DONE_FIXED_BYTES || body_len > DONE_BODY_MAX) status = -1;
+        else status = 3;
+    } else if (kind == 2) {
+        if (count < 1 || count > max_runs || (uint64_t)body_len != (uint64_t)count * 24 || payload_len < 1 ||
+            payload_len > max_payload)
+            status = -1;
+        else
+            status = 0;
+    } else if (count != 0 || payload_len != 0 || body_len < 1 || body_len > max_message) {
+        status = -1;
+    }
+    if (status == 1 && kind == 3 && body_len <= max_ordered) status = 2;  /* its body is read here too */
+    fh->status = status;
+}
+
+/* Whether the frame's body is read with its header. */
+static inline int frame_body_wanted(const struct frame_head *fh) {
+    return fh->status == 0 || fh->status == 2 || fh->status == 3;
+}
+
+/* The frame head as recv_frame_head returns it, `body` (a new reference: the body read, or NULL when none
+ * was) checked first: a WRITE frame's run table against run_table_ok (-2), a DONE body parsed (-3). */
+static PyObject *frame_head_result(struct frame_head *fh, PyObject *body, uint64_t max_payload, uint64_t max_offset) {
+    if (body != NULL) {
+        const uint8_t *b = (const uint8_t *)PyBytes_AS_STRING(body);
+        /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
+        if (fh->status == 0 && !run_table_ok(b, fh->count, fh->payload_len, max_payload, max_offset)) fh->status = -2;
+        if (fh->status == 3) {  /* a DONE frame's body, parsed here: (rid, bytes, pages, checksum, algo, aux) */
+            PyObject *done = parse_done_body(b, fh->body_len);
+            if (done == NULL && PyErr_Occurred()) {
+                Py_DECREF(body);
+                return NULL;
+            }
+            if (done == NULL) fh->status = -3;  /* the Python rules name what is wrong with it */
+            else { Py_DECREF(body); body = done; }
+        }
+    } else {
+        body = Py_None;
+        Py_INCREF(body);
+    }
+    return Py_BuildValue("(iiIKIIKy#N)", fh->status, (int)fh->kind, fh->slot, (unsigned long long)fh->gen, fh->count,
+                         fh->body_len, (unsigned long long)fh->payload_len, (const char *)fh->h,
+                         (Py_ssize_t)sizeof(fh->h), body);
+}
+
 /* recv_frame_head(fd, version, max_runs, max_payload, max_message, max_offset[, max_ordered[, spin_ns, counts]])
  *     -> (status, kind, slot, generation, count, body_len, payload_len, header, body)
  * Read one data frame's 32-byte header from a blocking socket (GIL released) and check it as
@@ -409,67 +480,29 @@ static PyObject *recv_frame_head(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "recv_frame_head: the busy-poll counts are 8-byte aligned");
         return NULL;
     }
-    uint8_t h[32];
-    uint64_t a = (uint64_t)(uintptr_t)h, l = sizeof(h);
+    struct frame_head fh;
+    uint64_t a = (uint64_t)(uintptr_t)fh.h, l = sizeof(fh.h);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     busy_poll(fd, spin_ns, (uint64_t *)(uintptr_t)counts_address);
     rc = recv_range(fd, &a, &l, 0, 1, 0);
     Py_END_ALLOW_THREADS
     if (rc) return raise_recv(rc);
-    uint8_t kind = h[3];
-    uint32_t slot, count, body_len;
-    uint64_t gen, payload_len;
-    memcpy(&slot, h + 4, 4);
-    memcpy(&gen, h + 8, 8);
-    memcpy(&count, h + 16, 4);
-    memcpy(&body_len, h + 20, 4);
-    memcpy(&payload_len, h + 24, 8);
-    int status = 1;
-    if (h[0] != 'K' || h[1] != 'X' || h[2] != version || kind < 1 || (kind > 3 && kind != 5)) status = -1;
-    else if (kind == 5) {  /* DONE in its fixed binary layout: its body is read here, parsed by the caller */
-        if (count != 0 || payload_len != 0 || body_len <= DONE_FIXED_BYTES || body_len > DONE_BODY_MAX) status = -1;
-        else status = 3;
-    } else if (kind == 2) {
-        if (count < 1 || count > max_runs || (uint64_t)body_len != (uint64_t)count * 24 || payload_len < 1 ||
-            payload_len > max_payload)
-            status = -1;
-        else
-            status = 0;
-    } else if (count != 0 || payload_len != 0 || body_len < 1 || body_len > max_message) {
-        status = -1;
-    }
-    if (status == 1 && kind == 3 && body_len <= max_ordered) status = 2;  /* its body is read here too */
-    PyObject *runs = NULL;
-    if (status == 0 || status == 2 || status == 3) {
-        runs = PyBytes_FromStringAndSize(NULL, body_len);
-        if (runs == NULL) return NULL;
-        uint8_t *body = (uint8_t *)PyBytes_AS_STRING(runs);
-        uint64_t ba = (uint64_t)(uintptr_t)body, bl = body_len;
+    check_frame_head(&fh, version, max_runs, max_payload, max_message, max_ordered);
+    PyObject *body = NULL;
+    if (frame_body_wanted(&fh)) {
+        body = PyBytes_FromStringAndSize(NULL, fh.body_len);
+        if (body == NULL) return NULL;
+        uint64_t ba = (uint64_t)(uintptr_t)PyBytes_AS_STRING(body), bl = fh.body_len;
         Py_BEGIN_ALLOW_THREADS
         rc = recv_range(fd, &ba, &bl, 0, 1, 0);
         Py_END_ALLOW_THREADS
         if (rc) {
-            Py_DECREF(runs);
+            Py_DECREF(body);
             return raise_recv(rc);
         }
-        /* an ORDERED frame's body (status 2) is a message: the caller decodes it */
-        if (status == 0 && !run_table_ok(body, count, payload_len, max_payload, max_offset)) status = -2;
-        if (status == 3) {  /* a DONE frame's body, parsed here: (rid, bytes, pages, checksum, algo, aux) */
-            PyObject *done = parse_done_body(body, body_len);
-            if (done == NULL && PyErr_Occurred()) {
-                Py_DECREF(runs);
-                return NULL;
-            }
-            if (done == NULL) status = -3;  /* the Python rules name what is wrong with it */
-            else { Py_DECREF(runs); runs = done; }
-        }
-    } else {
-        runs = Py_None;
-        Py_INCREF(runs);
     }
-    return Py_BuildValue("(iiIKIIKy#N)", status, (int)kind, slot, (unsigned long long)gen, count, body_len,
-                         (unsigned long long)payload_len, (const char *)h, (Py_ssize_t)sizeof(h), runs);
+    return frame_head_result(&fh, body, max_payload, max_offset);
 }
 
 /* Item checksums (each from `init`) of runs [first, end) into sums[*slot...]. GIL not needed. */
@@ -1545,6 +1578,125 @@ done:
     return result;
 }
 
+/* The shm ring's landing thread reading frames: what it needs to wait for, copy out and publish. */
+struct ring_reader {
+    const uint8_t *data;
+    uint64_t size, consumer;
+    const uint64_t *producer, *stop, *closed;
+    uint64_t *consumer_word, *want, *peer_want;
+    uint64_t stop_value, closed_value;
+    long pid;
+};
+
+#define RING_STOPPED 1      /* the reader's state took stop_value (fenced, withdrawn, closed) */
+#define RING_CUT 2          /* the writer closed inside a frame */
+#define RING_WRITER_GONE 3  /* the writer's process no longer exists */
+#define RING_ENDED 5        /* the writer closed at a frame boundary, nothing left */
+#define RING_IMPOSSIBLE 6   /* the producer position is behind the consumer or more than the ring ahead */
+
+/* Until `need` (at most the ring's size) bytes beyond the consumer position are published: 0, or why not
+ * (the RING_ codes; RING_ENDED only at a frame `boundary`). Busy polls for spin_ns first when it has to
+ * wait. The stop word is looked at first, so a fenced ring that still receives ends at its next frame.
+ * GIL not held. */
+static int ring_reader_wait(struct ring_reader *r, uint64_t need, int boundary, uint64_t spin_ns, uint64_t *counts) {
+    if (__atomic_load_n(r->stop, __ATOMIC_ACQUIRE) == r->stop_value) return RING_STOPPED;
+    uint64_t target = r->consumer + need;
+    for (int why = 0;;) {
+        uint64_t p = __atomic_load_n(r->producer, __ATOMIC_ACQUIRE);
+        if (p < r->consumer || p - r->consumer > r->size) return RING_IMPOSSIBLE;
+        if (p >= target) return 0;
+        if (why == 2) return boundary && p == r->consumer ? RING_ENDED : RING_CUT;
+        if (why) return why;  /* RING_STOPPED, RING_WRITER_GONE */
+        busy_poll_word(r->producer, (int64_t)target, r->stop, r->stop_value, r->closed, r->closed_value, spin_ns, counts);
+        spin_ns = 0;
+        /* 0: reached (looked at again above: a hostile writer may have moved it back), else why it ended */
+        why = ring_wait(r->producer, (int64_t)target, r->want, target, r->stop, r->stop_value, r->closed,
+                        r->closed_value, r->pid, 0);
+    }
+}
+
+/* Copy `len` bytes of the stream out of the ring into `out`, as the writer publishes them, in pieces of
+ * at most half the ring, publishing the consumer position behind each (waking a writer waiting for
+ * room). 0 or a RING_ code. GIL not held. */
+static int ring_reader_take(struct ring_reader *r, uint8_t *out, uint64_t len, int boundary, uint64_t spin_ns,
+                            uint64_t *counts) {
+    uint64_t piece_max = r->size / 2 ? r->size / 2 : 1;
+    for (uint64_t done = 0; done < len;) {
+        uint64_t piece = len - done < piece_max ? len - done : piece_max;
+        int rc = ring_reader_wait(r, piece, boundary && done == 0, done == 0 ? spin_ns : 0, counts);
+        if (rc) return rc;
+        ring_move(1, out + done, (uint8_t *)r->data, r->size, r->consumer % r->size, piece);
+        r->consumer += piece;
+        ring_publish_word(r->consumer_word, r->consumer, r->peer_want);
+        done += piece;
+    }
+    return 0;
+}
+
+/* ring_frame_head(ring_data, ring_size, consumer, producer_address, consumer_address, stop_address, stop_value,
+ *                 closed_address, closed_value, pid, want_address, peer_want_address,
+ *                 version, max_runs, max_payload, max_message, max_offset, max_ordered[, spin_ns, counts])
+ *     -> (rc, consumer, head)
+ * recv_frame_head over the shm ring (kvxfer/transport/shm.py's layout): wait for the next frame's header
+ * (busy polling spin_ns first when it is not there yet), copy it out of the ring, check it, copy a WRITE
+ * frame's run table, a DONE body or an ORDERED body of at most max_ordered bytes out too, checking them
+ * after the copy (the writer can still change the ring), and publish the consumer position behind what
+ * was copied. rc 0: `head` is recv_frame_head's tuple (a body left in the ring for status 1 and -1);
+ * else head is None and rc says why the wait ended (1 stopped, 2 the writer closed inside a frame, 3 its
+ * process `pid` is gone, 5 it closed at the frame boundary, 6 the producer position is impossible).
+ * `consumer` is the consumer position now published (bytes copied out stay consumed whatever rc). The
+ * twin of shm.py's Python reader (_wait, parse_header, parse_runs, parse_done): tests/test_shm_frames.py
+ * holds them equal on random and hostile frames written into a small ring. GIL released while waiting
+ * and copying; the caller keeps the mapping alive. */
+static PyObject *ring_frame_head(PyObject *self, PyObject *args) {
+    unsigned long long ring_data, ring_size, consumer, producer_address, consumer_address, stop_address, stop_value,
+        closed_address, closed_value, want_address, peer_want_address, max_payload, max_message, max_offset,
+        max_ordered, spin_ns = 0, counts_address = 0;
+    long pid;
+    unsigned int version, max_runs;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKlKKIIKKKK|KK", &ring_data, &ring_size, &consumer, &producer_address,
+                          &consumer_address, &stop_address, &stop_value, &closed_address, &closed_value, &pid,
+                          &want_address, &peer_want_address, &version, &max_runs, &max_payload, &max_message,
+                          &max_offset, &max_ordered, &spin_ns, &counts_address))
+        return NULL;
+    if (ring_data == 0 || ring_size == 0 || ring_size > (1ull << 62) || consumer > (1ull << 62) ||
+        producer_address == 0 || consumer_address == 0 || stop_address == 0 || closed_address == 0 ||
+        (producer_address | consumer_address | stop_address | closed_address | want_address | peer_want_address |
+         counts_address) % 8) {
+        PyErr_SetString(PyExc_ValueError, "ring_frame_head needs the ring, a positive size and aligned ring words");
+        return NULL;
+    }
+    struct ring_reader r = {(const uint8_t *)(uintptr_t)ring_data, ring_size, consumer,
+                            (const uint64_t *)(uintptr_t)producer_address, (const uint64_t *)(uintptr_t)stop_address,
+                            (const uint64_t *)(uintptr_t)closed_address, (uint64_t *)(uintptr_t)consumer_address,
+                            (uint64_t *)(uintptr_t)want_address, (uint64_t *)(uintptr_t)peer_want_address,
+                            stop_value, closed_value, pid};
+    uint64_t *counts = (uint64_t *)(uintptr_t)counts_address;
+    struct frame_head fh;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ring_reader_take(&r, fh.h, sizeof(fh.h), 1, spin_ns, counts);
+    Py_END_ALLOW_THREADS
+    if (rc) return Py_BuildValue("(iKO)", rc, (unsigned long long)r.consumer, Py_None);
+    check_frame_head(&fh, version, max_runs, max_payload, max_message, max_ordered);
+    PyObject *body = NULL;
+    if (frame_body_wanted(&fh)) {
+        body = PyBytes_FromStringAndSize(NULL, fh.body_len);
+        if (body == NULL) return NULL;
+        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(body);
+        Py_BEGIN_ALLOW_THREADS
+        rc = ring_reader_take(&r, out, fh.body_len, 0, 0, NULL);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            Py_DECREF(body);
+            return Py_BuildValue("(iKO)", rc, (unsigned long long)r.consumer, Py_None);
+        }
+    }
+    PyObject *head = frame_head_result(&fh, body, max_payload, max_offset);
+    if (head == NULL) return NULL;
+    return Py_BuildValue("(iKN)", 0, (unsigned long long)r.consumer, head);
+}
+
 static PyMethodDef methods[] = {
     {"checksum_items", checksum_items, METH_VARARGS,
      "checksum_items(algo, initial, addresses, lengths, item_lens) -> uint32 item checksums"},
@@ -1555,6 +1707,9 @@ static PyMethodDef methods[] = {
      "ring_copy(addresses, lengths, item_lens, algo, initial, chunk, ring_data, ring_size, position, ring_is_src, "
      "wait_address, publish_address, stop_address, stop_value, closed_address, closed_value, pid[, want_address, "
      "peer_want_address]) -> (rc, sums or None)"},
+    {"ring_frame_head", ring_frame_head, METH_VARARGS,
+     "ring_frame_head(ring_data, ring_size, consumer, words..., limits...) -> (rc, consumer, head): recv_frame_head "
+     "over the shm ring"},
     {"ring_wait", py_ring_wait, METH_VARARGS,
      "ring_wait(address, target, want_address, stop_address, stop_value, closed_address, closed_value, pid, timeout"
      "[, spin_ns, counts]) -> rc: wait (futex, GIL released) until the word reaches target, busy polling first"},

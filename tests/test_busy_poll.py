@@ -160,10 +160,11 @@ def test_an_engine_reads_frames_from_its_poll_and_stops_polling_when_idle(engine
     assert pair.decode.config.options(transport_name).busy_poll_us == 1000
     _one_page_requests(pair, 8)
     found, expired, skipped = _polls(pair)
-    # Each request's first frame comes while the thread waits for it, so each of the last seven began a
-    # poll; on a loaded machine a sender descheduled for over a millisecond lets some run out (seen in
-    # CI: 6 found, 7 ran out), so only some must have found their frame.
-    assert found >= 1 and found + expired >= 7 and skipped == 0, _polls(pair)
+    # A frame found in the ring when the thread looks is read without polling; one not there yet is
+    # polled for. How many of each depends on who ran first (the GIL's hand-offs between the landing
+    # thread, the waiter and the next send; on a loaded 2-core runner a sender descheduled past the
+    # millisecond lets a poll run out: seen in CI, 6 found and 7 run out), so only some must be found.
+    assert found >= 1 and skipped == 0, _polls(pair)
     time.sleep(0.05)  # the last poll ran out by now
     idle = _polls(pair)
     assert idle[EXPIRED] >= 1 and idle[FOUND] == found, idle  # the poll after the last frame ran out

@@ -189,6 +189,18 @@ def _native() -> Any:
                                           "ring_wake") else None)
 
 
+_FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
+
+
+def _c_frame_head() -> Any:
+    """The C reader of frame heads over the ring, where the extension has it and knows this protocol's DONE
+    frame (as tcp's reader)."""
+    lib = _native()
+    return (lib.ring_frame_head if lib is not None and native.provides("ring_frame_head")
+            and getattr(lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX
+            and getattr(lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
@@ -476,6 +488,8 @@ class ShmReceiver(ReceiverBackend):
         self._poll_counts = np.zeros(3, dtype=np.uint64)
         self._busy_poll = ((self.options.busy_poll_us * 1000, int(self._poll_counts.ctypes.data))
                            if self.options.busy_poll_us and getattr(_native(), "BUSY_POLLERS", 0) else None)
+        # frame heads read and checked in C (the Python reader where the extension lacks it)
+        self._c_head = _c_frame_head()
         self.payload_seconds = 0.0  # time inside payload copies (ring -> pages)
         self.busy_seconds = 0.0  # time handling frames, from a published frame to done
         reaped = reap_stale_rings(self.directory)
@@ -546,7 +560,7 @@ class ShmReceiver(ReceiverBackend):
         # CONNECT names the connection (a malformed first frame ends the offered connection)
         report: Any = (inbound.peer, inbound.epoch)
         try:
-            header, body, _ = self._next_frame(inbound)
+            header, body = self._next_frame(inbound)
             if header.kind is not f.FrameKind.CONNECT:
                 raise ProtocolError(f"first frame must be CONNECT, got {header.kind.name}")
             hello = m.decode(body)
@@ -571,16 +585,15 @@ class ShmReceiver(ReceiverBackend):
             _unlink(inbound.ring.path)
             inbound.unlinked = True
             while True:
-                header, body, _ = self._next_frame(inbound)
+                header, body = self._next_frame(inbound)
                 t0 = time.perf_counter()
                 if header.kind is f.FrameKind.WRITE:
                     self._land_write(inbound, header, body)
                 elif header.kind is f.FrameKind.ORDERED or header.kind is f.FrameKind.DONE:
-                    msg = f.ordered_message(header, body)
                     if header.kind is f.FrameKind.DONE:
                         with self._lock:
                             self.done_frames += 1
-                    self.hooks.on_ordered(conn_id, msg)
+                    self.hooks.on_ordered(conn_id, body)
                 else:
                     raise ProtocolError("second CONNECT on one ring")
                 self.frames += 1
@@ -602,19 +615,58 @@ class ShmReceiver(ReceiverBackend):
         finally:
             self._finish(inbound, reason, report)
 
-    def _next_frame(self, inbound: _Inbound) -> tuple[f.FrameHeader, bytes, int]:
-        """The next frame's header and a copy of its body, consumed; a WRITE's payload is left in the
-        stream for :meth:`_land_write`. Also returns the frame's header and body length."""
-        self._wait(inbound, f.HEADER_SIZE, boundary=True)
-        header = f.parse_header(inbound.ring.read(inbound.consumer, f.HEADER_SIZE))
-        self._consume(inbound, f.HEADER_SIZE)
-        limit = {f.FrameKind.CONNECT: f.CONNECT_BODY_MAX, f.FrameKind.ORDERED: self.max_ordered_body,
-                 f.FrameKind.DONE: self.max_ordered_body}.get(header.kind)
-        if limit is not None and header.body_len > limit:  # refused before allocating or reading it
-            raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds {limit}")
-        body = bytearray(header.body_len)
-        self._stream(inbound, header.body_len, lambda at, n: inbound.ring.read_into(inbound.consumer, memoryview(body)[at : at + n]))
-        return header, bytes(body), f.HEADER_SIZE + header.body_len
+    def _next_frame(self, inbound: _Inbound) -> tuple[f.FrameHeader, Any]:
+        """The next frame's header and what its body says, consumed: a WRITE frame's run table (an array;
+        its payload is left in the stream for :meth:`_land_write`), an ORDERED or DONE frame's message, a
+        CONNECT frame's body (bytes). Read and checked in C where the extension has ``ring_frame_head``
+        (the twin of the Python rules below), else in Python; ProtocolError names a broken rule."""
+        body: Any = None
+        if self._c_head is not None:
+            if inbound.state is not _State.OPEN:
+                raise _Stopped
+            ring = inbound.ring
+            base = ring.base
+            rc, inbound.consumer, head = self._c_head(
+                ring.data, ring.size, inbound.consumer, base + W_PRODUCER, base + W_CONSUMER, base + W_READER_STATE,
+                READER_FENCED, base + W_WRITER_STATE, WRITER_CLOSED, inbound.writer_pid or 0, base + W_READER_WANT,
+                base + W_WRITER_WANT, *_FRAME_LIMITS, self.max_ordered_body, *(self._busy_poll or ()))
+            if rc:
+                raise self._wait_ended(inbound, rc)
+            if head[0] in (3, -3) and head[5] > self.max_ordered_body:  # a DONE frame C read: the limit first
+                raise ProtocolError(f"DONE frame body of {head[5]} bytes exceeds {self.max_ordered_body}")
+            header, body = f.native_head(head)
+        else:
+            self._wait(inbound, f.HEADER_SIZE, boundary=True)
+            header = f.parse_header(inbound.ring.read(inbound.consumer, f.HEADER_SIZE))
+            self._consume(inbound, f.HEADER_SIZE)
+        if body is None:
+            limit = {f.FrameKind.CONNECT: f.CONNECT_BODY_MAX, f.FrameKind.ORDERED: self.max_ordered_body,
+                     f.FrameKind.DONE: self.max_ordered_body}.get(header.kind)
+            if limit is not None and header.body_len > limit:  # refused before allocating or reading it
+                raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds {limit}")
+            raw = bytearray(header.body_len)
+            self._stream(inbound, header.body_len,
+                         lambda at, n: inbound.ring.read_into(inbound.consumer, memoryview(raw)[at : at + n]))
+            body = f.parse_runs(header, raw) if header.kind is f.FrameKind.WRITE else bytes(raw)
+        if header.kind is f.FrameKind.ORDERED or (header.kind is f.FrameKind.DONE and not isinstance(body, m.Done)):
+            body = f.ordered_message(header, body)
+        return header, body
+
+    @staticmethod
+    def _wait_ended(inbound: _Inbound, rc: int) -> Exception:
+        """What ended ``ring_frame_head``'s wait for the next frame (its rc), as the Python reader raises it."""
+        if rc == 1:
+            return _Stopped()
+        if rc == 2:
+            return ConnectionError("the writer closed inside a frame")
+        if rc == 3:
+            return ConnectionError(f"the writer's process {inbound.writer_pid} exited")
+        if rc == 5:
+            return _Ended()
+        if rc == 6:
+            return ProtocolError(f"producer position {inbound.ring.load(W_PRODUCER)} is impossible (consumer at "
+                                 f"{inbound.consumer}, ring of {inbound.ring.size} bytes)")
+        return RuntimeError(f"ring_frame_head returned {rc}")
 
     def _stream(self, inbound: _Inbound, nbytes: int, sink: Callable[[int, int], None] | None) -> None:
         """Take ``nbytes`` of the stream as the writer publishes them, in pieces: ``sink(done, n)``
@@ -665,9 +717,9 @@ class ShmReceiver(ReceiverBackend):
         inbound.consumer += nbytes
         inbound.ring.publish(W_CONSUMER, inbound.consumer, W_WRITER_WANT)
 
-    def _land_write(self, inbound: _Inbound, header: f.FrameHeader, body: bytes) -> None:
-        """Land (or refuse) a WRITE frame's payload, streamed out of the ring as it is published."""
-        runs = f.parse_runs(header, body)
+    def _land_write(self, inbound: _Inbound, header: f.FrameHeader, runs: np.ndarray) -> None:
+        """Land (or refuse) a WRITE frame's payload (its checked run table ``runs``), streamed out of the
+        ring as it is published."""
         try:
             window, counts = self.guard.check(inbound.conn_id, header.slot, header.generation, runs)
         except WriteRefused:

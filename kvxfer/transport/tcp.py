@@ -190,7 +190,6 @@ _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table
 _C_SEND_SUMMED_DONE = native.lib.send_summed_done if native.provides("send_summed_done") else None
 _C_SEND_FRAMES = native.lib.send_frames if native.provides("send_frames") else None
 _FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
-_KINDS = {int(kind): kind for kind in f.FrameKind}
 
 
 def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int = 0,
@@ -205,21 +204,7 @@ def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int
     three uint64 counters, or 0)."""
     # (an extension built before busy polling takes no such arguments, and is never asked to poll)
     polling = (busy_poll_ns, poll_counts) if busy_poll_ns else ()
-    status, kind, slot, gen, count, body_len, payload_len, raw, body = _C_FRAME_HEAD(
-        sock.fileno(), *_FRAME_LIMITS, max_ordered, *polling)
-    if status < 0:
-        header = f.parse_header(raw)
-        if status == -2:
-            f.parse_runs(header, body)
-        elif status == -3:
-            f.parse_done(header, body)
-        raise ProtocolError(f"frame refused by the native parser but not by the Python rules: {raw.hex()}")
-    header = f.FrameHeader(_KINDS[kind], slot, gen, count, body_len, payload_len)
-    if status == 3:  # a DONE frame, parsed in C by parse_done's rules
-        rid, nbytes, pages, checksum, algo, aux = body
-        return header, m.Done(rid=rid, gen=gen, bytes=nbytes, pages=pages, checksum=checksum,
-                              algo=f.DONE_ALGO_NAMES[algo], aux=aux)
-    return header, (np.frombuffer(body, dtype=f.RUN_DTYPE) if status == 0 else body)
+    return f.native_head(_C_FRAME_HEAD(sock.fileno(), *_FRAME_LIMITS, max_ordered, *polling))
 
 
 def send_all(sock: socket.socket, pieces: list[Any]) -> None:
@@ -630,7 +615,7 @@ class TcpReceiver(ReceiverBackend):
                     self.busy_seconds += time.perf_counter() - t0
                 elif header.kind is f.FrameKind.ORDERED or header.kind is f.FrameKind.DONE:
                     # refused before allocating or reading it (a DONE frame's body, at most DONE_BODY_MAX
-                    # bytes, is always within the smallest max_ordered_body and read with its header)
+                    # bytes, was read with its header: the limit still holds)
                     if header.body_len > self.max_ordered_body:
                         raise ProtocolError(f"{header.kind.name} frame body of {header.body_len} bytes exceeds "
                                             f"max_ordered_body ({self.max_ordered_body})")

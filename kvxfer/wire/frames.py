@@ -279,6 +279,34 @@ def ordered_message(header: FrameHeader, body: bytes | bytearray | memoryview) -
     return msg
 
 
+_KINDS = {int(kind): kind for kind in FrameKind}
+
+
+def native_head(head: tuple) -> tuple[FrameHeader, Any]:
+    """What a C frame reader's ``(status, kind, slot, generation, count, body_len, payload_len, header,
+    body)`` means (``recv_frame_head`` and ``ring_frame_head`` in native/kvxfer_native.c, the twins of
+    :func:`parse_header`, :func:`parse_runs` and :func:`parse_done`): the header and, for a WRITE frame,
+    its run table (an array), for a DONE frame its :class:`~kvxfer.wire.messages.Done`, for an ORDERED
+    frame read with its header its body (bytes), else None (the body is still to be read). A frame C
+    refused is parsed by the Python rules, which raise the ProtocolError naming the rule."""
+    status, kind, slot, gen, count, body_len, payload_len, raw, body = head
+    if status < 0:
+        header = parse_header(raw)
+        if status == -2:
+            parse_runs(header, body)
+        elif status == -3:
+            parse_done(header, body)
+        raise ProtocolError(f"frame refused by the native parser but not by the Python rules: {raw.hex()}")
+    header = FrameHeader(_KINDS[kind], slot, gen, count, body_len, payload_len)
+    if status == 3:  # a DONE frame, parsed in C by parse_done's rules
+        from .messages import Done
+
+        rid, nbytes, pages, checksum, algo, aux = body
+        return header, Done(rid=rid, gen=gen, bytes=nbytes, pages=pages, checksum=checksum,
+                            algo=DONE_ALGO_NAMES[algo], aux=aux)
+    return header, (np.frombuffer(body, dtype=RUN_DTYPE) if status == 0 else body)
+
+
 RESULT_BODY_MAX = 16 << 10  # a RESULT's detail is a short text; a longer answer goes on the control plane
 
 

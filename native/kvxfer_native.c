@@ -586,6 +586,54 @@ done:
  * guard said). With algo >= 0, as recv_runs_summed (runs are whole items): returns the item checksums;
  * with algo < 0 only lands (recv_runs) and returns None. The same as computing the addresses, lengths
  * and item lengths in numpy and calling recv_runs(_summed), without the arrays. */
+/* A WRITE frame's run table (24-byte records <buffer u32, flags u32, offset u64, length u64>) as three
+ * arrays in one allocation (PyMem_Free it): addresses bases[buffer] + offset, lengths, item lengths
+ * (items: int64 per buffer; each buffer num_pages items). NULL with ValueError (naming `who`) for a
+ * table that is not records, a run outside its buffer or, when `whole`, not whole items; *count is then
+ * the number of items. */
+static uint64_t *run_table_addresses(Py_buffer *runs, Py_buffer *bases, Py_buffer *items, uint64_t num_pages,
+                                     int whole, size_t *n_out, size_t *count, const char *who) {
+    size_t n = (size_t)runs->len / 24, nbuf = (size_t)bases->len / 8;
+    if (runs->len % 24 || n == 0 || bases->len % 8 || items->len != bases->len || nbuf == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a run table of 24-byte records, one base address and one item length "
+                     "per buffer", who);
+        return NULL;
+    }
+    uint64_t *a = (uint64_t *)PyMem_Malloc(3 * n * sizeof(uint64_t));
+    if (a == NULL) { PyErr_NoMemory(); return NULL; }
+    uint64_t *l = a + n, *it = a + 2 * n;
+    const uint8_t *rec = (const uint8_t *)runs->buf;
+    const uint64_t *base = (const uint64_t *)bases->buf;
+    const int64_t *item = (const int64_t *)items->buf;
+    *count = 0;
+    for (size_t i = 0; i < n; i++, rec += 24) {
+        uint32_t buffer;
+        uint64_t offset, length;
+        memcpy(&buffer, rec, 4);
+        memcpy(&offset, rec + 8, 8);
+        memcpy(&length, rec + 16, 8);
+        if (buffer >= nbuf || length == 0 || item[buffer] <= 0 || (whole && length % (uint64_t)item[buffer])) {
+            PyErr_Format(PyExc_ValueError, "%s: run %zu (buffer %u, %llu bytes) is not whole items of a buffer of "
+                         "the layout", who, i, buffer, (unsigned long long)length);
+            PyMem_Free(a);
+            return NULL;
+        }
+        uint64_t size = (uint64_t)item[buffer] * num_pages;
+        if (num_pages > UINT64_MAX / (uint64_t)item[buffer] || offset > size || length > size - offset) {
+            PyErr_Format(PyExc_ValueError, "%s: run %zu (buffer %u, %llu bytes at offset %llu) is outside its "
+                         "buffer", who, i, buffer, (unsigned long long)length, (unsigned long long)offset);
+            PyMem_Free(a);
+            return NULL;
+        }
+        a[i] = base[buffer] + offset;
+        l[i] = length;
+        it[i] = (uint64_t)item[buffer];
+        *count += whole ? (size_t)(length / it[i]) : 0;
+    }
+    *n_out = n;
+    return a;
+}
+
 static PyObject *recv_run_table(PyObject *self, PyObject *args) {
     int fd, algo;
     Py_buffer runs, bases, items;
@@ -594,43 +642,12 @@ static PyObject *recv_run_table(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *out = NULL;
     uint64_t *a = NULL;
-    size_t n = (size_t)runs.len / 24, nbuf = (size_t)bases.len / 8;
+    size_t n = 0, count = 0;
     checksum_fn fn = NULL;
-    if (runs.len % 24 || n == 0 || bases.len % 8 || items.len != bases.len || nbuf == 0) {
-        PyErr_SetString(PyExc_ValueError, "recv_run_table: a run table of 24-byte records, one base address and "
-                        "one item length per buffer");
-        goto done;
-    }
     if (algo >= 0 && (fn = pick_checksum(algo)) == NULL) goto done;
-    a = (uint64_t *)PyMem_Malloc(3 * n * sizeof(uint64_t));
-    if (a == NULL) { PyErr_NoMemory(); goto done; }
+    if ((a = run_table_addresses(&runs, &bases, &items, num_pages, fn != NULL, &n, &count, "recv_run_table")) == NULL)
+        goto done;
     uint64_t *l = a + n, *it = a + 2 * n;
-    const uint8_t *rec = (const uint8_t *)runs.buf;
-    const uint64_t *base = (const uint64_t *)bases.buf;
-    const int64_t *item = (const int64_t *)items.buf;
-    size_t count = 0;
-    for (size_t i = 0; i < n; i++, rec += 24) {
-        uint32_t buffer;
-        uint64_t offset, length;
-        memcpy(&buffer, rec, 4);
-        memcpy(&offset, rec + 8, 8);
-        memcpy(&length, rec + 16, 8);
-        if (buffer >= nbuf || length == 0 || item[buffer] <= 0 || (fn != NULL && length % (uint64_t)item[buffer])) {
-            PyErr_Format(PyExc_ValueError, "recv_run_table: run %zu (buffer %u, %llu bytes) is not whole items of "
-                         "a buffer of the layout", i, buffer, (unsigned long long)length);
-            goto done;
-        }
-        uint64_t size = (uint64_t)item[buffer] * num_pages;
-        if (num_pages > UINT64_MAX / (uint64_t)item[buffer] || offset > size || length > size - offset) {
-            PyErr_Format(PyExc_ValueError, "recv_run_table: run %zu (buffer %u, %llu bytes at offset %llu) is "
-                         "outside its buffer", i, buffer, (unsigned long long)length, (unsigned long long)offset);
-            goto done;
-        }
-        a[i] = base[buffer] + offset;
-        l[i] = length;
-        it[i] = (uint64_t)item[buffer];
-        count += fn != NULL ? (size_t)(length / it[i]) : 0;
-    }
     int rc = 0;
     if (fn == NULL) {
         Py_BEGIN_ALLOW_THREADS
@@ -1460,48 +1477,33 @@ static inline void ring_move(int ring_is_src, uint8_t *pages, uint8_t *ring, uin
     }
 }
 
-static PyObject *ring_copy(PyObject *self, PyObject *args) {
-    Py_buffer addrs, lens, items;
-    int algo, ring_is_src;
-    unsigned long long initial, chunk, ring_data, ring_size, position, wait_address, publish_address, stop_address,
-        stop_value, closed_address, closed_value, want_address = 0, peer_want_address = 0;
+/* One side of a ring_copy: the ring, where its stream stands and the words it waits on and publishes. */
+struct ring_side {
+    uint8_t *ring;
+    uint64_t size, position;
+    int ring_is_src;
+    const uint64_t *wait, *stop, *closed;
+    uint64_t *publish, *want, *peer_want;
+    uint64_t stop_value, closed_value;
     long pid;
-    if (!PyArg_ParseTuple(args, "y*y*y*iKKKKKiKKKKKKl|KK", &addrs, &lens, &items, &algo, &initial, &chunk,
-                          &ring_data, &ring_size, &position, &ring_is_src, &wait_address, &publish_address,
-                          &stop_address, &stop_value, &closed_address, &closed_value, &pid, &want_address,
-                          &peer_want_address))
-        return NULL;
-    PyObject *out = NULL, *result = NULL;
-    size_t n = 0;
-    checksum_fn fn = NULL;
-    if (parse_runs(&addrs, &lens, &n) < 0) goto done;
-    if (chunk == 0 || ring_size == 0 || ring_size > (1ull << 62) || position > (1ull << 62) ||
-        (wait_address | publish_address | stop_address | closed_address | want_address | peer_want_address) % 8) {
-        PyErr_SetString(PyExc_ValueError, "ring_copy needs a positive chunk and ring size and aligned ring words");
-        goto done;
-    }
-    if (algo >= 0) {
-        fn = pick_checksum(algo);
-        Py_ssize_t count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
-        if (count < 0) goto done;
-        out = PyBytes_FromStringAndSize(NULL, count * 4);
-        if (out == NULL) goto done;
-    }
-    const uint64_t *a = (const uint64_t *)addrs.buf, *l = (const uint64_t *)lens.buf, *it = (const uint64_t *)items.buf;
-    uint32_t *sums = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
-    const uint64_t *wait = (const uint64_t *)(uintptr_t)wait_address, *stop = (const uint64_t *)(uintptr_t)stop_address,
-                   *closed = (const uint64_t *)(uintptr_t)closed_address;
-    uint64_t *publish = (uint64_t *)(uintptr_t)publish_address, *want = (uint64_t *)(uintptr_t)want_address,
-             *peer_want = (uint64_t *)(uintptr_t)peer_want_address;
-    uint8_t *ring = (uint8_t *)(uintptr_t)ring_data;
+};
+
+/* ring_copy's work on runs already turned into addresses (a), lengths (l) and item lengths (it): rc as
+ * ring_copy; `sums` (one per item of the runs, when fn is not NULL) filled. GIL not held. */
+static int ring_copy_runs(const struct ring_side *r, const uint64_t *a, const uint64_t *l, const uint64_t *it,
+                          size_t n, checksum_fn fn, int algo, uint64_t initial, uint64_t chunk, uint32_t *sums) {
+    uint8_t *ring = r->ring;
+    uint64_t ring_size = r->size, position = r->position;
+    int ring_is_src = r->ring_is_src;
     int64_t lag = ring_is_src ? 0 : (int64_t)ring_size;  /* the writer waits for room, the reader for data */
     int rc = 0;
-    Py_BEGIN_ALLOW_THREADS
     uint64_t e = 0, unpublished = 0;
 #if defined(__x86_64__)
     uint32_t running = 0;  /* the Adler-32 of the item being copied in one pass */
     int streamed = 0;      /* non-temporal stores were issued: fence before returning */
     int fused = fn != NULL && algo == 0 && __builtin_cpu_supports("avx2");
+#else
+    (void)algo;
 #endif
     uint64_t step = chunk < ring_size ? chunk : ring_size;  /* never wait for more than the ring holds */
     size_t slot = 0;
@@ -1515,10 +1517,10 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
         for (uint64_t off = 0; off < l[i]; off += piece) {
             uint64_t len = l[i] - off < piece ? l[i] - off : piece;
             int64_t target = (int64_t)(position + e + len) - lag;
-            if ((int64_t)__atomic_load_n(wait, __ATOMIC_ACQUIRE) < target) {
+            if ((int64_t)__atomic_load_n(r->wait, __ATOMIC_ACQUIRE) < target) {
                 /* about to wait for the other side: it may be waiting for what we have not published */
                 if (unpublished) {
-                    ring_publish_word(publish, position + e, peer_want);
+                    ring_publish_word(r->publish, position + e, r->peer_want);
                     unpublished = 0;
                 }
                 /* the writer asks to be woken only once a share of the ring is free (fewer, larger
@@ -1527,7 +1529,8 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
                 uint64_t slack = ring_size / (ring_is_src ? RING_READER_SLACK : RING_WRITER_SLACK);
                 if (slack > ring_size - len) slack = ring_size - len;
                 if (ring_is_src && slack > total - e - len) slack = total - e - len;
-                rc = ring_wait(wait, target, want, (uint64_t)target + slack, stop, stop_value, closed, closed_value, pid, 0);
+                rc = ring_wait(r->wait, target, r->want, (uint64_t)target + slack, r->stop, r->stop_value, r->closed,
+                               r->closed_value, r->pid, 0);
                 if (rc) break;
             }
             uint8_t *pages = (uint8_t *)(uintptr_t)(a[i] + off);
@@ -1538,10 +1541,10 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
                     if (seg > len - done) seg = len - done;
                     if (in_item == 0) running = (uint32_t)initial;
                     for (uint64_t k = 0; k < seg;) {
-                        uint64_t r = (position + e + done + k) % ring_size;
-                        uint64_t part = ring_size - r < seg - k ? ring_size - r : seg - k;
-                        running = ring_is_src ? adler_copy_avx2(running, pages + done + k, ring + r, (size_t)part, 1)
-                                              : adler_copy_avx2(running, ring + r, pages + done + k, (size_t)part, 0);
+                        uint64_t ro = (position + e + done + k) % ring_size;
+                        uint64_t part = ring_size - ro < seg - k ? ring_size - ro : seg - k;
+                        running = ring_is_src ? adler_copy_avx2(running, pages + done + k, ring + ro, (size_t)part, 1)
+                                              : adler_copy_avx2(running, ring + ro, pages + done + k, (size_t)part, 0);
                         k += part;
                     }
                     done += seg;
@@ -1559,7 +1562,7 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
             e += len;
             unpublished += len;
             if (unpublished >= chunk) {
-                ring_publish_word(publish, position + e, peer_want);
+                ring_publish_word(r->publish, position + e, r->peer_want);
                 unpublished = 0;
             }
         }
@@ -1567,13 +1570,112 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     if (streamed) _mm_sfence();  /* the landed pages are visible before the caller records them */
 #endif
-    if (rc == 0 && unpublished) ring_publish_word(publish, position + e, peer_want);
+    if (rc == 0 && unpublished) ring_publish_word(r->publish, position + e, r->peer_want);
+    return rc;
+}
+
+/* ring_copy's and ring_run_table's ring arguments into `r`; -1 with ValueError when they are unusable. */
+static int ring_side_args(struct ring_side *r, unsigned long long chunk, unsigned long long ring_data,
+                          unsigned long long ring_size, unsigned long long position, int ring_is_src,
+                          unsigned long long wait_address, unsigned long long publish_address,
+                          unsigned long long stop_address, unsigned long long stop_value,
+                          unsigned long long closed_address, unsigned long long closed_value, long pid,
+                          unsigned long long want_address, unsigned long long peer_want_address) {
+    if (chunk == 0 || ring_data == 0 || ring_size == 0 || ring_size > (1ull << 62) || position > (1ull << 62) ||
+        wait_address == 0 || publish_address == 0 || stop_address == 0 || closed_address == 0 ||
+        (wait_address | publish_address | stop_address | closed_address | want_address | peer_want_address) % 8) {
+        PyErr_SetString(PyExc_ValueError, "ring_copy needs a positive chunk and ring size and aligned ring words");
+        return -1;
+    }
+    *r = (struct ring_side){(uint8_t *)(uintptr_t)ring_data, ring_size, position, ring_is_src,
+                            (const uint64_t *)(uintptr_t)wait_address, (const uint64_t *)(uintptr_t)stop_address,
+                            (const uint64_t *)(uintptr_t)closed_address, (uint64_t *)(uintptr_t)publish_address,
+                            (uint64_t *)(uintptr_t)want_address, (uint64_t *)(uintptr_t)peer_want_address,
+                            stop_value, closed_value, pid};
+    return 0;
+}
+
+static PyObject *ring_copy(PyObject *self, PyObject *args) {
+    Py_buffer addrs, lens, items;
+    int algo, ring_is_src;
+    unsigned long long initial, chunk, ring_data, ring_size, position, wait_address, publish_address, stop_address,
+        stop_value, closed_address, closed_value, want_address = 0, peer_want_address = 0;
+    long pid;
+    if (!PyArg_ParseTuple(args, "y*y*y*iKKKKKiKKKKKKl|KK", &addrs, &lens, &items, &algo, &initial, &chunk,
+                          &ring_data, &ring_size, &position, &ring_is_src, &wait_address, &publish_address,
+                          &stop_address, &stop_value, &closed_address, &closed_value, &pid, &want_address,
+                          &peer_want_address))
+        return NULL;
+    PyObject *out = NULL, *result = NULL;
+    size_t n = 0;
+    checksum_fn fn = NULL;
+    struct ring_side r;
+    if (parse_runs(&addrs, &lens, &n) < 0) goto done;
+    if (ring_side_args(&r, chunk, ring_data, ring_size, position, ring_is_src, wait_address, publish_address,
+                       stop_address, stop_value, closed_address, closed_value, pid, want_address, peer_want_address) < 0)
+        goto done;
+    if (algo >= 0) {
+        fn = pick_checksum(algo);
+        Py_ssize_t count = fn == NULL ? -1 : summed_items(&addrs, &lens, &items, &n);
+        if (count < 0) goto done;
+        out = PyBytes_FromStringAndSize(NULL, count * 4);
+        if (out == NULL) goto done;
+    }
+    uint32_t *sums = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ring_copy_runs(&r, (const uint64_t *)addrs.buf, (const uint64_t *)lens.buf, (const uint64_t *)items.buf, n, fn,
+                        algo, initial, chunk, sums);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(iO)", rc, rc == 0 && out != NULL ? out : Py_None);
 done:
     Py_XDECREF(out);
     PyBuffer_Release(&addrs);
     PyBuffer_Release(&lens);
+    PyBuffer_Release(&items);
+    return result;
+}
+
+/* ring_run_table(runs, bases, item_lens, num_pages, algo, initial, chunk, ring_data, ring_size, position,
+ *                producer_address, consumer_address, stop_address, stop_value, closed_address, closed_value,
+ *                pid, want_address, peer_want_address) -> (rc, sums or None)
+ * The shm reader's ring_copy straight from a WRITE frame's run table, as recv_run_table is tcp's: run i
+ * lands at bases[buffer] + offset (run_table_addresses' rules: a run outside its buffer is a ValueError,
+ * whatever the guard said), with algo >= 0 each item's checksum taken as it landed. rc as ring_copy. The
+ * same as computing the addresses, lengths and item lengths in numpy and calling ring_copy. */
+static PyObject *ring_run_table(PyObject *self, PyObject *args) {
+    Py_buffer runs, bases, items;
+    int algo;
+    unsigned long long num_pages, initial, chunk, ring_data, ring_size, position, producer_address, consumer_address,
+        stop_address, stop_value, closed_address, closed_value, want_address, peer_want_address;
+    long pid;
+    if (!PyArg_ParseTuple(args, "y*y*y*KiKKKKKKKKKKKlKK", &runs, &bases, &items, &num_pages, &algo, &initial, &chunk,
+                          &ring_data, &ring_size, &position, &producer_address, &consumer_address, &stop_address,
+                          &stop_value, &closed_address, &closed_value, &pid, &want_address, &peer_want_address))
+        return NULL;
+    PyObject *out = NULL, *result = NULL;
+    uint64_t *a = NULL;
+    checksum_fn fn = NULL;
+    size_t n = 0, count = 0;
+    struct ring_side r;
+    if (ring_side_args(&r, chunk, ring_data, ring_size, position, 1, producer_address, consumer_address, stop_address,
+                       stop_value, closed_address, closed_value, pid, want_address, peer_want_address) < 0)
+        goto done;
+    if (algo >= 0 && (fn = pick_checksum(algo)) == NULL) goto done;
+    if ((a = run_table_addresses(&runs, &bases, &items, num_pages, fn != NULL, &n, &count, "ring_run_table")) == NULL)
+        goto done;
+    if (fn != NULL && (out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)count * 4)) == NULL) goto done;
+    uint32_t *sums = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ring_copy_runs(&r, a, a + n, a + 2 * n, n, fn, algo, initial, chunk, sums);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(iO)", rc, rc == 0 && out != NULL ? out : Py_None);
+done:
+    Py_XDECREF(out);
+    PyMem_Free(a);
+    PyBuffer_Release(&runs);
+    PyBuffer_Release(&bases);
     PyBuffer_Release(&items);
     return result;
 }
@@ -1707,6 +1809,9 @@ static PyMethodDef methods[] = {
      "ring_copy(addresses, lengths, item_lens, algo, initial, chunk, ring_data, ring_size, position, ring_is_src, "
      "wait_address, publish_address, stop_address, stop_value, closed_address, closed_value, pid[, want_address, "
      "peer_want_address]) -> (rc, sums or None)"},
+    {"ring_run_table", ring_run_table, METH_VARARGS,
+     "ring_run_table(runs, bases, item_lens, num_pages, algo, initial, chunk, ring..., words...) -> (rc, sums or None): "
+     "ring_copy from a WRITE frame's run table"},
     {"ring_frame_head", ring_frame_head, METH_VARARGS,
      "ring_frame_head(ring_data, ring_size, consumer, words..., limits...) -> (rc, consumer, head): recv_frame_head "
      "over the shm ring"},

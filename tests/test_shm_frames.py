@@ -279,3 +279,87 @@ def test_a_frame_published_while_the_reader_polls_is_found_by_the_poll(reader):
     r.load(frame, 256)  # a frame already there is read without polling
     assert r.read(in_c=True)[0][0].kind is f.FrameKind.DONE
     assert r.receiver._poll_counts.tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize("algo", [0, 1, -1])  # adler32, crc32, no sums
+def test_ring_run_table_lands_what_ring_copy_lands(algo):
+    """The shm reader's copy straight from a WRITE frame's run table (ring_run_table) against the address
+    arrays built in numpy (ring_copy): random tables over three buffers of unequal items, 128 KiB items
+    (the one-pass Adler-32 copy) among them, streamed by a writer thread through a 48 KiB ring; the same
+    pages, the same item checksums (zlib's), the same consumer position; and a run outside its buffer or
+    of part of an item refused naming it before anything is consumed."""
+    import zlib
+
+    if algo >= 0 and not native.checksums_in_c:
+        pytest.skip(f"needs C checksums ({native.describe()})")
+    lib = native.lib
+    pages, size = 12, 48 << 10
+    item_lens = np.array([4096, 1024, 128 << 10], dtype=np.int64)
+    rng = np.random.default_rng(7 + algo)
+    src = [rng.integers(0, 256, pages * int(n), dtype=np.uint8) for n in item_lens]
+    bases = np.array([int(b.ctypes.data) for b in src], dtype=np.uint64)
+    for trial in range(6):
+        count = int(rng.integers(1, 20))
+        runs = np.zeros(count, dtype=f.RUN_DTYPE)
+        runs["buffer"] = rng.integers(0, 3, count)
+        first = rng.integers(0, pages, count)
+        span = np.minimum(rng.integers(1, 4, count), pages - first)
+        runs["offset"] = first * item_lens[runs["buffer"]]
+        runs["length"] = span * item_lens[runs["buffer"]]
+        stream = b"".join(src[b][o : o + n].tobytes() for b, o, n in zip(runs["buffer"], runs["offset"], runs["length"]))
+        landed = []
+        for in_table in (True, False):
+            dst = [np.zeros_like(b) for b in src]
+            dst_bases = np.array([int(b.ctypes.data) for b in dst], dtype=np.uint64)
+            ring = np.zeros(size, dtype=np.uint8)
+            words = np.zeros(8, dtype=np.uint64)  # 0: producer, 1: consumer, 2: stop, 3: closed
+            addr = [int(words.ctypes.data) + 8 * i for i in range(4)]
+            start = int(rng.integers(0, 1 << 30))
+            words[0] = words[1] = start
+            blob = np.frombuffer(stream, dtype=np.uint8)
+            writer = threading.Thread(target=lib.ring_copy, args=(
+                np.array([blob.ctypes.data], np.uint64).tobytes(), np.array([blob.size], np.uint64).tobytes(),
+                np.array([blob.size], np.uint64).tobytes(), -1, 0, 4096, ring.ctypes.data, size, start, 0, addr[1],
+                addr[0], addr[2], 1, addr[3], 1, 0))
+            writer.start()
+            tail = (ring.ctypes.data, size, start, addr[0], addr[1], addr[2], 1, addr[3], 1, 0, 0, 0)
+            if in_table:
+                rc, raw = lib.ring_run_table(runs, dst_bases.tobytes(), item_lens.tobytes(), pages, algo, 1, 4096, *tail)
+            else:
+                lengths = runs["length"].astype(np.uint64)
+                items = item_lens[runs["buffer"]].astype(np.uint64) if algo >= 0 else lengths
+                rc, raw = lib.ring_copy((dst_bases[runs["buffer"]] + runs["offset"]).tobytes(), lengths.tobytes(),
+                                        items.tobytes(), algo, 1, 4096, ring.ctypes.data, size, start, 1, addr[0],
+                                        addr[1], addr[2], 1, addr[3], 1, 0)
+            writer.join(10)
+            assert rc == 0 and words[1] == start + len(stream)
+            landed.append(([d.tobytes() for d in dst], raw))
+        assert landed[0] == landed[1], trial
+        dst_bytes, raw = landed[0]
+        for b, o, n in zip(runs["buffer"], runs["offset"], runs["length"]):
+            assert dst_bytes[b][o : o + n] == src[b][o : o + n].tobytes()
+        if algo < 0:
+            assert raw is None
+        else:
+            fn = zlib.adler32 if algo == 0 else zlib.crc32
+            expected = [fn(src[b][p : p + int(item_lens[b])].tobytes(), 1)
+                        for b, o, n in zip(runs["buffer"], runs["offset"], runs["length"])
+                        for p in range(int(o), int(o + n), int(item_lens[b]))]
+            assert np.frombuffer(raw, np.uint32).tolist() == expected
+    ring = np.zeros(size, dtype=np.uint8)
+    words = np.zeros(8, dtype=np.uint64)
+    addr = [int(words.ctypes.data) + 8 * i for i in range(4)]
+    tail = (ring.ctypes.data, size, 0, addr[0], addr[1], addr[2], 1, addr[3], 1, 0, 0, 0)
+    outside = np.zeros(1, dtype=f.RUN_DTYPE)
+    outside["buffer"], outside["offset"], outside["length"] = 1, (pages - 1) * 1024, 2048
+    with pytest.raises(ValueError, match="run 0 .* is outside its buffer"):
+        lib.ring_run_table(outside, bases.tobytes(), item_lens.tobytes(), pages, algo, 1, 4096, *tail)
+    outside["buffer"] = 3
+    with pytest.raises(ValueError, match="not whole items of a buffer of the layout"):
+        lib.ring_run_table(outside, bases.tobytes(), item_lens.tobytes(), pages, algo, 1, 4096, *tail)
+    if algo >= 0:
+        part = np.zeros(1, dtype=f.RUN_DTYPE)
+        part["buffer"], part["length"] = 0, 100
+        with pytest.raises(ValueError, match="not whole items"):
+            lib.ring_run_table(part, bases.tobytes(), item_lens.tobytes(), pages, algo, 1, 4096, *tail)
+    assert words[1] == 0  # nothing consumed

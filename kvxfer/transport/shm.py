@@ -475,6 +475,9 @@ class ShmReceiver(ReceiverBackend):
         self._dst = [memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
         self._dst_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
         self._items = layout.item_lens.astype(np.uint64)
+        self._dst_bases = self._dst_base.tobytes()  # ring_run_table's per-buffer base addresses and item lengths
+        self._item_lens = np.ascontiguousarray(layout.item_lens, dtype=np.int64).tobytes()
+        self._c_run_table = _native().ring_run_table if _native() is not None and native.provides("ring_run_table") else None
         self.address = f"shm:{self.directory}"
         self._lock = threading.Lock()
         self._offers: dict[tuple[str, int], _Inbound] = {}
@@ -654,7 +657,8 @@ class ShmReceiver(ReceiverBackend):
 
     @staticmethod
     def _wait_ended(inbound: _Inbound, rc: int) -> Exception:
-        """What ended ``ring_frame_head``'s wait for the next frame (its rc), as the Python reader raises it."""
+        """What ended a native wait on the ring (the rc of ``ring_frame_head``, ``ring_copy`` or
+        ``ring_run_table``), as the Python reader raises it."""
         if rc == 1:
             return _Stopped()
         if rc == 2:
@@ -730,22 +734,22 @@ class ShmReceiver(ReceiverBackend):
         sums = None
         lib = _native()
         if lib is not None:
-            lengths = runs["length"].astype(np.uint64)
-            dst = self._dst_base[runs["buffer"]] + runs["offset"]
             summed = self._sum_fn is not None and window.table is None  # a head slice is summed at verification
-            items = self._items[runs["buffer"]] if summed else lengths
             base = ring.base
-            rc, raw = lib.ring_copy(dst.tobytes(), lengths.tobytes(), items.tobytes(),
-                                    self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK,
-                                    ring.data, ring.size, inbound.consumer, 1, base + W_PRODUCER, base + W_CONSUMER,
-                                    base + W_READER_STATE, READER_FENCED, base + W_WRITER_STATE, WRITER_CLOSED,
-                                    inbound.writer_pid or 0, base + W_READER_WANT, base + W_WRITER_WANT)
-            if rc == 1:
-                raise _Stopped
-            if rc == 2:
-                raise ConnectionError("the writer closed inside a frame")
-            if rc == 3:
-                raise ConnectionError(f"the writer's process {inbound.writer_pid} exited")
+            words = (base + W_PRODUCER, base + W_CONSUMER, base + W_READER_STATE, READER_FENCED, base + W_WRITER_STATE,
+                     WRITER_CLOSED, inbound.writer_pid or 0, base + W_READER_WANT, base + W_WRITER_WANT)
+            if self._c_run_table is not None and runs.dtype == f.RUN_DTYPE and runs.flags.c_contiguous:
+                rc, raw = self._c_run_table(runs, self._dst_bases, self._item_lens, self.layout.num_pages,
+                                            self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK, ring.data,
+                                            ring.size, inbound.consumer, *words)
+            else:
+                lengths = runs["length"].astype(np.uint64)
+                dst = self._dst_base[runs["buffer"]] + runs["offset"]
+                items = self._items[runs["buffer"]] if summed else lengths
+                rc, raw = lib.ring_copy(dst.tobytes(), lengths.tobytes(), items.tobytes(), self._sum_fn if summed else -1,
+                                        self._sum_initial, SUM_CHUNK, ring.data, ring.size, inbound.consumer, 1, *words)
+            if rc:
+                raise self._wait_ended(inbound, rc)
             inbound.consumer += header.payload_len  # ring_copy published it
             if raw is not None:
                 sums = np.frombuffer(raw, dtype=np.uint32)

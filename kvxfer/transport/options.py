@@ -73,6 +73,10 @@ class ShmOptions:
     # ring from the posting thread when the ring has room for it (else from a sending thread); off: always
     # from a sending thread
     inline_send: bool = field(default=True, metadata={"env": "KVXFER_SHM_INLINE_SEND"})
+    # the decode puts a request's RESULT into the ring's result area, which the writer's watcher reads (no
+    # hop through either control plane's threads); off, or while a writer leaves it full: on the control
+    # plane. Needs the native extension on the writer's side.
+    answer_on_data: bool = field(default=True, metadata={"env": "KVXFER_SHM_ANSWER_ON_DATA"})
     # a landing thread about to sleep until its ring's next frame polls the ring this long first, as
     # tcp's busy_poll_us (at most one thread of a process polls at once, tcp's and shm's together);
     # 0: a few microseconds, then sleep. Needs the native extension.

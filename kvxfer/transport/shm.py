@@ -21,6 +21,12 @@ Ring layout (all integers little-endian u64, each word on its own 64-byte line):
                                      the writer clears it when it wakes the reader)
     offset 448   writer want         the consumer position a sleeping writer waits for, 0: none (writer;
                                      the reader clears it when it wakes the writer)
+    offset 512   result producer     RESULT bytes the reader put into the result area (reader only)
+    offset 576   result consumer     RESULT bytes the writer took out of it (writer only)
+    offset 640   result want         the result producer position the writer's sleeping watcher waits
+                                     for, 0: none (writer; the reader clears it when it wakes it)
+    offset 704   result reader       1 once the writer reads RESULT frames from the result area (writer)
+    offset 1024  result area of 3,072 bytes: RESULT frames, reader -> writer, a byte stream as the data area
     offset 4096  data area of ``size`` bytes
 
 Positions count bytes since the ring was created and only grow; a position's place in the data
@@ -43,6 +49,13 @@ payloads are read past and never land. An
 ORDERED frame is handed to the engine only after every earlier frame of the ring was landed or
 refused (a drain proof). The consumer position only ever covers bytes already copied out, so the
 writer never overwrites bytes the reader has not finished with.
+
+RESULT comes back the same way, through the small result area (a second byte ring, the other way
+round): the landing side answers a verified request there (:meth:`ShmReceiver.answer`, the tcp
+receiver's answer on its socket) when the writer reads it and the frame fits, never waiting; else
+the RESULT goes on the control plane. The writer's *result watcher* thread (one per link, sleeping in a
+futex on the result producer word) reads whole RESULT frames (:class:`~kvxfer.wire.frames.ResultReader`)
+and delivers them as tcp's watcher does; anything else there, or an impossible position, ends the link.
 
 Waiting never involves a socket or a pipe. A side waiting for the other's position polls it for a
 few microseconds, then announces the position it needs in its *want* word and sleeps in a futex on
@@ -115,7 +128,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -149,7 +162,7 @@ CAPABILITIES = Capabilities(write_log=False, ordered_via_control=False, requires
 
 # ring format
 MAGIC = int.from_bytes(b"KVXSHMR1", "little")
-RING_VERSION = 2  # 2: the want words and the futex wake protocol
+RING_VERSION = 3  # 2: the want words and the futex wake protocol; 3: the result area
 HEADER_BYTES = 4096
 W_MAGIC, W_VERSION, W_SIZE, W_CREATOR = 0, 8, 16, 24
 W_PRODUCER = 64
@@ -159,6 +172,12 @@ W_READER_STATE = 256
 W_WRITER_PID = 320
 W_READER_WANT = 384  # the producer position a sleeping reader waits for; 0: it does not sleep
 W_WRITER_WANT = 448  # the consumer position a sleeping writer waits for; 0: it does not sleep
+W_RESULT_PRODUCER = 512  # RESULT bytes the reader put into the result area
+W_RESULT_CONSUMER = 576  # RESULT bytes the writer took out of it
+W_RESULT_WANT = 640  # the result producer position the writer's sleeping watcher waits for; 0: it does not sleep
+W_RESULT_READER = 704  # 1: the writer reads RESULT frames from the result area
+RESULT_AREA = 1024
+RESULT_AREA_BYTES = HEADER_BYTES - RESULT_AREA
 WRITER_NEW, WRITER_OPEN, WRITER_CLOSED = 0, 1, 2
 READER_OPEN, READER_FENCED = 1, 2
 MIN_RING_BYTES = 64 << 10
@@ -301,28 +320,32 @@ class _Ring:
             self._lib.ring_wake(self.base + W_PRODUCER)
             self._lib.ring_wake(self.base + W_CONSUMER)
 
-    def read_into(self, position: int, out: memoryview) -> None:
-        """Copy ``len(out)`` bytes of the stream at ``position`` out of the ring (wrapping at its end)."""
+    def read_into(self, position: int, out: memoryview, area: int = HEADER_BYTES, size: int = 0) -> None:
+        """Copy ``len(out)`` bytes of the stream at ``position`` out of the ring (wrapping at its end); ``area``
+        and ``size``: another byte ring in the mapping (the result area), else the data area."""
+        size = size or self.size
         length = len(out)
-        offset = position % self.size
-        first = min(length, self.size - offset)
-        out[:first] = self.view[HEADER_BYTES + offset : HEADER_BYTES + offset + first]
+        offset = position % size
+        first = min(length, size - offset)
+        out[:first] = self.view[area + offset : area + offset + first]
         if length > first:
-            out[first:] = self.view[HEADER_BYTES : HEADER_BYTES + length - first]
+            out[first:] = self.view[area : area + length - first]
 
-    def read(self, position: int, length: int) -> bytes:
+    def read(self, position: int, length: int, area: int = HEADER_BYTES, size: int = 0) -> bytes:
         out = bytearray(length)
-        self.read_into(position, memoryview(out))
+        self.read_into(position, memoryview(out), area, size)
         return bytes(out)
 
-    def write(self, position: int, data: memoryview) -> None:
-        """Copy ``data`` into the stream at ``position`` (wrapping at the ring's end)."""
+    def write(self, position: int, data: memoryview, area: int = HEADER_BYTES, size: int = 0) -> None:
+        """Copy ``data`` into the stream at ``position`` (wrapping at the ring's end); ``area`` and
+        ``size`` as :meth:`read_into`."""
+        size = size or self.size
         length = len(data)
-        offset = position % self.size
-        first = min(length, self.size - offset)
-        self.view[HEADER_BYTES + offset : HEADER_BYTES + offset + first] = data[:first]
+        offset = position % size
+        first = min(length, size - offset)
+        self.view[area + offset : area + offset + first] = data[:first]
         if length > first:
-            self.view[HEADER_BYTES : HEADER_BYTES + length - first] = data[first:]
+            self.view[area : area + length - first] = data[first:]
 
     def close(self) -> None:
         self._bytes = None  # type: ignore[assignment]
@@ -442,6 +465,11 @@ class _Inbound:
     unlinked: bool = False
     writer_pid: int | None = None
     frames: int = 0
+    # RESULT frames put into the result area (answer): their end, and the lock that keeps answers
+    # whole and off an unmapped ring (mapped goes False, under it, before the ring is unmapped)
+    results_produced: int = 0
+    answer_lock: threading.Lock = field(default_factory=threading.Lock)
+    mapped: bool = True
 
 
 class ShmReceiver(ReceiverBackend):
@@ -486,6 +514,8 @@ class ShmReceiver(ReceiverBackend):
         self.protocol_errors = 0
         self.frames = 0
         self.done_frames = 0  # DONEs that came in the binary DONE frame (the rest came as ORDERED msgpack)
+        self.answers_sent = 0  # RESULT frames put into a result area (answer)
+        self.answers_declined = 0  # ... that did not fit in what a writer left unread: on the control plane
         # the landing threads poll their ring this long before sleeping for the next frame (C only); what
         # came of it: [data found while polling, polling ran out, another thread was polling]
         self._poll_counts = np.zeros(3, dtype=np.uint64)
@@ -530,7 +560,8 @@ class ShmReceiver(ReceiverBackend):
         ring = _Ring(mm, size, path)
         for offset, value in ((W_VERSION, RING_VERSION), (W_SIZE, size), (W_CREATOR, os.getpid()),
                               (W_PRODUCER, 0), (W_CONSUMER, 0), (W_WRITER_STATE, WRITER_NEW),
-                              (W_READER_STATE, READER_OPEN), (W_READER_WANT, 0), (W_WRITER_WANT, 0)):
+                              (W_READER_STATE, READER_OPEN), (W_READER_WANT, 0), (W_WRITER_WANT, 0),
+                              (W_RESULT_PRODUCER, 0), (W_RESULT_CONSUMER, 0), (W_RESULT_WANT, 0), (W_RESULT_READER, 0)):
             ring.store(offset, value)
         ring.store(W_MAGIC, MAGIC)  # last: a writer sees a complete header or none
         inbound = _Inbound(peer, epoch, ring)
@@ -775,7 +806,9 @@ class ShmReceiver(ReceiverBackend):
             if not inbound.unlinked:
                 _unlink(ring.path)
                 inbound.unlinked = True
-            ring.close()
+            with inbound.answer_lock:  # no answer is being written into it
+                inbound.mapped = False
+                ring.close()
         if not stopped and report is not None:
             self.hooks.on_closed(report, reason)
 
@@ -810,12 +843,45 @@ class ShmReceiver(ReceiverBackend):
         with self._lock:
             return list(self._conns)
 
+    def answer(self, conn: ConnId, msg: m.Message) -> bool:
+        """Put RESULT ``msg`` into connection ``conn``'s result area without waiting (the writer's
+        watcher delivers it): False, writing nothing, when ``answer_on_data`` is off, the connection
+        is not open, its writer does not read the area, or the frame does not fit in what the writer
+        left unread (the caller then uses the control plane)."""
+        if not self.options.answer_on_data:
+            return False
+        with self._lock:
+            inbound = self._conns.get(conn)
+            if inbound is None or inbound.state is not _State.OPEN:
+                return False
+        try:
+            frame = f.result_frame(msg)
+        except ProtocolError:
+            return False
+        with inbound.answer_lock:
+            ring = inbound.ring
+            if not inbound.mapped or ring.load(W_RESULT_READER) != 1:
+                return False
+            produced = inbound.results_produced
+            taken = ring.load(W_RESULT_CONSUMER)  # the writer's word: any value, a hostile writer's too
+            if taken > produced or produced - taken + len(frame) > RESULT_AREA_BYTES:
+                with self._lock:
+                    self.answers_declined += 1
+                return False
+            ring.write(produced, memoryview(frame), RESULT_AREA, RESULT_AREA_BYTES)
+            inbound.results_produced = produced + len(frame)
+            ring.publish(W_RESULT_PRODUCER, inbound.results_produced, W_RESULT_WANT)
+        with self._lock:
+            self.answers_sent += 1
+        return True
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             offers = sum(1 for i in self._offers.values() if i.conn_id is None)
         return {"protocol_errors": self.protocol_errors, "frames": self.frames, "payload_seconds": self.payload_seconds,
                 "busy_seconds": self.busy_seconds, "rings_offered": offers, "ring_bytes": self.ring_bytes,
-                "done_frames": self.done_frames, "busy_poll_found": int(self._poll_counts[0]),
+                "done_frames": self.done_frames, "answers_sent": self.answers_sent,
+                "answers_declined": self.answers_declined, "busy_poll_found": int(self._poll_counts[0]),
                 "busy_poll_expired": int(self._poll_counts[1]), "busy_poll_skipped": int(self._poll_counts[2])}
 
     def close(self) -> None:
@@ -855,8 +921,18 @@ class ShmLink(FrameLink):
 
     def __init__(self, layout: KVLayout, ring: _Ring, *, connect: m.Connect,
                  on_closed: Callable[[ShmLink, str], None], lanes: SendLanes, faults: FaultInjector | None = None,
-                 checksum: Any = None, reader_pid: int | None = None, inline_send: bool = True) -> None:
+                 checksum: Any = None, reader_pid: int | None = None, inline_send: bool = True,
+                 on_message: Callable[[m.Message], None] | None = None) -> None:
         self._init_link((connect.engine, connect.epoch), on_closed, faults, checksum)
+        # RESULT frames the receiver puts into the result area, read by this link's watcher thread (native
+        # only: it sleeps in a futex on the result producer word) and delivered to on_message
+        self._on_message = on_message if ring._lib is not None else None
+        self._results = f.ResultReader()
+        self._results_taken = 0  # result-area bytes read (published as the result consumer position)
+        self.results_received = 0
+        self._read_lock = threading.Lock()  # one reader of the result area at a time; held while it is unmapped
+        self._watch_stop = np.zeros(1, dtype=np.uint64)  # 1: the watcher returns
+        self._watcher: threading.Thread | None = None
         self._init_lane(lanes)
         # a small request posted on an idle link goes into the ring from the posting thread (unhold)
         self.inline_send = inline_send
@@ -882,6 +958,10 @@ class ShmLink(FrameLink):
         self._unmapped = False
         ring.store(W_WRITER_PID, os.getpid())
         ring.store(W_WRITER_STATE, WRITER_OPEN)
+        if self._on_message is not None:
+            ring.store(W_RESULT_READER, 1)
+            self._watcher = threading.Thread(target=self._watch_results, name="kvxfer-shm-results", daemon=True)
+            self._watcher.start()
         try:
             self._write_pieces([f.message_frame(f.FrameKind.CONNECT, m.encode(connect))])
         except _Fenced as exc:
@@ -947,6 +1027,68 @@ class ShmLink(FrameLink):
                     self._publish(at - self._producer)
         if at > self._producer:
             self._publish(at - self._producer)
+
+    # RESULT frames from the receiver ------------------------------------------------------------------------
+    def _watch_results(self) -> None:
+        """The watcher: sleep until the receiver publishes RESULT bytes, read and deliver them; ends when
+        the link releases the ring or the receiver fences it (what is left is read at the end), or when
+        the area holds anything but RESULT frames (the link then ends on a lane, saying why)."""
+        ring = self.ring
+        wait = ring._lib.ring_wait
+        stop = int(self._watch_stop.ctypes.data)
+        while not self._watch_stop[0]:
+            rc = wait(ring.base + W_RESULT_PRODUCER, self._results_taken + 1, ring.base + W_RESULT_WANT,
+                      ring.base + W_READER_STATE, READER_FENCED, stop, 1, 0, WAIT_SLICE)
+            why = self._read_results()
+            if why is not None:
+                with self._cond:
+                    self._lost = self._lost or why
+                    self._kick()
+                return
+            if rc == 1:  # fenced: the lanes end the link (which reads what is left)
+                return
+
+    def _read_results(self) -> str | None:
+        """Read and deliver the RESULT frames in the area now; why the link must end, or None."""
+        with self._read_lock:
+            if self._unmapped:
+                return None
+            ring = self.ring
+            produced = ring.load(W_RESULT_PRODUCER)
+            taken = self._results_taken
+            if produced == taken:
+                return None
+            if produced < taken or produced - taken > RESULT_AREA_BYTES:
+                return (f"the receiver's result position {produced} is impossible (read up to {taken}, an area "
+                        f"of {RESULT_AREA_BYTES} bytes)")
+            data = ring.read(taken, produced - taken, RESULT_AREA, RESULT_AREA_BYTES)
+            self._results_taken = produced
+            ring.store(W_RESULT_CONSUMER, produced)
+            results = self._results.feed(data)
+            self.results_received += len(results)
+            why = f"the receiver sent a malformed frame: {self._results.error}" if self._results.error else None
+        for msg in results:  # outside the read lock: delivering takes the engine's
+            try:
+                self._on_message(msg)  # type: ignore[misc]
+            except Exception:  # the engine reports its own failures; the connection is fine
+                log.exception("shm connection %s: handling %s", self.conn_id, msg.TYPE)
+        return why
+
+    def drain_messages(self) -> None:
+        """Deliver the RESULT frames already in the result area (before the link's requests settle)."""
+        if self._on_message is not None and self._results.error is None:
+            self._read_results()
+
+    def _stop_watcher(self) -> None:
+        """The watcher told to return and joined (unless it is this thread); what it left is read here."""
+        if self._watcher is None:
+            return
+        self._watch_stop[0] = 1
+        if not self._unmapped and self.ring._lib is not None:
+            self.ring._lib.ring_wake(self.ring.base + W_RESULT_PRODUCER)
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(5)
+        self.drain_messages()
 
     # from the posting thread -------------------------------------------------------------------------------
     def _claim_inline(self) -> tuple[WriteJob, OrderedJob, FrameCut] | None:
@@ -1127,11 +1269,13 @@ class ShmLink(FrameLink):
     def _release_ring(self) -> None:
         if self._unmapped:
             return
-        self._unmapped = True
-        try:
-            self.ring.set_state(W_WRITER_STATE, WRITER_CLOSED)
-        finally:
-            self.ring.close()
+        self._stop_watcher()  # a RESULT that came ahead of the end still counts
+        with self._read_lock:
+            self._unmapped = True
+            try:
+                self.ring.set_state(W_WRITER_STATE, WRITER_CLOSED)
+            finally:
+                self.ring.close()
 
     def _end(self, reason: str) -> None:
         """The link ends (on the lane serving it), once: queued writes fail, the ring is released."""
@@ -1184,7 +1328,7 @@ class ShmTransport(SenderTransport):
             connect = m.Connect(engine=request.engine, epoch=request.epoch, proof=request.proof)
             return ShmLink(self.layout, ring, connect=connect, on_closed=request.on_closed, faults=request.faults,
                            checksum=self.checksum, reader_pid=pid if 0 < pid < 1 << 31 and _pid_alive(pid) else None,
-                           lanes=self.lanes, inline_send=self.options.inline_send)
+                           lanes=self.lanes, inline_send=self.options.inline_send, on_message=request.on_message)
         except BaseException:
             if not ring.mm.closed:
                 ring.close()

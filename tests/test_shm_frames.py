@@ -37,7 +37,7 @@ from kvxfer.wire import messages as m
 from .conftest import wait_for
 from .test_frames_native import MAX_ORDERED, _random_frame
 
-pytestmark = pytest.mark.skipif(shm._c_frame_head() is None,
+pytestmark = pytest.mark.skipif(shm._native() is None or f.native_reader("ring_frame_head") is None,
                                 reason=f"needs kvxfer._native's ring_frame_head ({native.describe()})")
 
 RING = 64 << 10  # the smallest ring a receiver makes: a frame of up to 196 KiB of run table streams through it

@@ -208,18 +208,6 @@ def _native() -> Any:
                                           "ring_wake") else None)
 
 
-_FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
-
-
-def _c_frame_head() -> Any:
-    """The C reader of frame heads over the ring, where the extension has it and knows this protocol's DONE
-    frame (as tcp's reader)."""
-    lib = _native()
-    return (lib.ring_frame_head if lib is not None and native.provides("ring_frame_head")
-            and getattr(lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX
-            and getattr(lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
-
-
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
@@ -522,7 +510,7 @@ class ShmReceiver(ReceiverBackend):
         self._busy_poll = ((self.options.busy_poll_us * 1000, int(self._poll_counts.ctypes.data))
                            if self.options.busy_poll_us and getattr(_native(), "BUSY_POLLERS", 0) else None)
         # frame heads read and checked in C (the Python reader where the extension lacks it)
-        self._c_head = _c_frame_head()
+        self._c_head = f.native_reader("ring_frame_head") if _native() is not None else None
         self.payload_seconds = 0.0  # time inside payload copies (ring -> pages)
         self.busy_seconds = 0.0  # time handling frames, from a published frame to done
         reaped = reap_stale_rings(self.directory)
@@ -663,7 +651,7 @@ class ShmReceiver(ReceiverBackend):
             rc, inbound.consumer, head = self._c_head(
                 ring.data, ring.size, inbound.consumer, base + W_PRODUCER, base + W_CONSUMER, base + W_READER_STATE,
                 READER_FENCED, base + W_WRITER_STATE, WRITER_CLOSED, inbound.writer_pid or 0, base + W_READER_WANT,
-                base + W_WRITER_WANT, *_FRAME_LIMITS, self.max_ordered_body, *(self._busy_poll or ()))
+                base + W_WRITER_WANT, *f.NATIVE_LIMITS, self.max_ordered_body, *(self._busy_poll or ()))
             if rc:
                 raise self._wait_ended(inbound, rc)
             if head[0] in (3, -3) and head[5] > self.max_ordered_body:  # a DONE frame C read: the limit first

@@ -182,14 +182,11 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 # the C reader of frame heads, where the built extension knows this protocol's DONE frame
-_C_FRAME_HEAD = (native.lib.recv_frame_head if native.provides("recv_frame_head")
-                 and getattr(native.lib, "DONE_BODY_MAX", None) == f.DONE_BODY_MAX
-                 and getattr(native.lib, "DONE_AUX_MAX", None) == f.DONE_AUX_MAX else None)
+_C_FRAME_HEAD = f.native_reader("recv_frame_head")
 # lands a WRITE frame's payload from its run table in C (no address arrays built per frame)
 _C_RUN_TABLE_RECV = native.lib.recv_run_table if native.provides("recv_run_table") else None
 _C_SEND_SUMMED_DONE = native.lib.send_summed_done if native.provides("send_summed_done") else None
 _C_SEND_FRAMES = native.lib.send_frames if native.provides("send_frames") else None
-_FRAME_LIMITS = (f.FRAME_VERSION, f.MAX_RUNS, f.MAX_PAYLOAD, m.MAX_MESSAGE_BYTES, f.MAX_OFFSET)
 
 
 def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int = 0,
@@ -204,7 +201,7 @@ def recv_frame_head(sock: socket.socket, max_ordered: int = 0, busy_poll_ns: int
     three uint64 counters, or 0)."""
     # (an extension built before busy polling takes no such arguments, and is never asked to poll)
     polling = (busy_poll_ns, poll_counts) if busy_poll_ns else ()
-    return f.native_head(_C_FRAME_HEAD(sock.fileno(), *_FRAME_LIMITS, max_ordered, *polling))
+    return f.native_head(_C_FRAME_HEAD(sock.fileno(), *f.NATIVE_LIMITS, max_ordered, *polling))
 
 
 def send_all(sock: socket.socket, pieces: list[Any]) -> None:

@@ -280,6 +280,18 @@ def ordered_message(header: FrameHeader, body: bytes | bytearray | memoryview) -
 
 
 _KINDS = {int(kind): kind for kind in FrameKind}
+# what a C frame reader checks a header against: version, runs, payload, message body and offset limits
+NATIVE_LIMITS = (FRAME_VERSION, MAX_RUNS, MAX_PAYLOAD, MAX_MESSAGE_BYTES, MAX_OFFSET)
+
+
+def native_reader(name: str) -> Any:
+    """The C frame reader ``name`` of kvxfer._native (``recv_frame_head``, ``ring_frame_head``) where the
+    built extension has it and knows this protocol's DONE frame (its limits are this module's), else None."""
+    from ..core import native
+
+    lib = native.lib
+    return (getattr(lib, name) if native.provides(name) and getattr(lib, "DONE_BODY_MAX", None) == DONE_BODY_MAX
+            and getattr(lib, "DONE_AUX_MAX", None) == DONE_AUX_MAX else None)
 
 
 def native_head(head: tuple) -> tuple[FrameHeader, Any]:

@@ -58,11 +58,13 @@ def all_readable(p: PrefillEngine, d: DecodeEngine, rids: list[str]) -> None:
         p.wait(rid, timeout=10)
 
 
-def admitted_pair(made: list, rids: list[str], tokens: int, *, seed: int, item: int | None = None):
-    """A keyed prefill and decode (appended to ``made`` for close_checked), peered, with ``rids`` admitted on
-    both and their source pages filled (seeds ``seed``, ``seed + 1``, ...): (prefill, decode, data link)."""
+def admitted_pair(made: list, rids: list[str], tokens: int, *, seed: int, item: int | None = None,
+                  transport: str = "tcp"):
+    """A keyed prefill and decode (appended to ``made`` for close_checked), peered over ``transport``, with
+    ``rids`` admitted on both and their source pages filled (seeds ``seed``, ``seed + 1``, ...): (prefill,
+    decode, data link)."""
     rings = Keyring.cluster(["prefill", "decode"])
-    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2)
+    config = EngineConfig(max_context=64 * PAGE_TOKENS, heartbeat_interval=0.2, transport=transport)
     sized = {} if item is None else {"item": item}
     p = PrefillEngine(make_layout(64, **sized), EngineConfig(**{**vars(config), "keyring": rings["prefill"]}))
     made.append(p)
@@ -272,8 +274,9 @@ def test_a_fault_injector_with_nothing_to_do_leaves_the_callers_thread_path_open
     assert len(pair.faults.take_captured()) == 1
 
 
-def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_the_end_of_send():
-    """tcp, production links: a small request's WRITE frame leaves from the caller's thread as send() posts
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_the_end_of_send(transport):
+    """Production links: a small request's WRITE frame leaves from the caller's thread as send() posts
     it (before its DONE is built and posted) and its DONE when send() lets go of the link, both counted;
     the decode lands byte-exact. A request sent chunk by chunk (no DONE behind the first chunks) has its
     first chunk's WRITE frame go early too, the link given back at the end of that send() and the next
@@ -281,7 +284,7 @@ def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_th
     made: list = []
     try:
         rids = [f"small-{i}" for i in range(5)]
-        p, d, link = admitted_pair(made, rids + ["chunked"], 4 * PAGE_TOKENS, seed=300)
+        p, d, link = admitted_pair(made, rids + ["chunked"], 4 * PAGE_TOKENS, seed=300, transport=transport)
         until_idle(link)
         early, inline = link.sent_early, link.sent_inline
         for rid in rids:
@@ -299,14 +302,15 @@ def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_th
         close_checked(made)
 
 
-def test_many_threads_sending_small_requests_through_one_engine_land_every_byte():
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_many_threads_sending_small_requests_through_one_engine_land_every_byte(transport):
     """Eight threads each send their own small requests through one prefill engine and one data link at
     once (posted from their threads: WRITE frames at post time, DONEs at the end of send(), or queued to a
     lane behind another thread's claim): every request is READABLE with its own bytes, in whatever order."""
     made: list = []
     try:
         rids = [f"t{t}-{i}" for t in range(8) for i in range(6)]  # 48 of the prefill's 64 pages
-        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=400)
+        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=400, transport=transport)
         errors: list = []
 
         def sender(t: int) -> None:
@@ -328,7 +332,8 @@ def test_many_threads_sending_small_requests_through_one_engine_land_every_byte(
         close_checked(made)
 
 
-def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_link(monkeypatch):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_link(monkeypatch, transport):
     """Something raising in the caller's thread as it sends a WRITE frame at post time (here the batch's
     source check): the batch is reported failed, the link ends with that reason, the request fails and
     its sources are freed (nothing left unreported), and a new link carries the next request."""
@@ -336,7 +341,7 @@ def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_
 
     made: list = []
     try:
-        p, d, link = admitted_pair(made, ["broken"], PAGE_TOKENS, seed=500)
+        p, d, link = admitted_pair(made, ["broken"], PAGE_TOKENS, seed=500, transport=transport)
         until_idle(link)
         original = WriteBatch.wait_sources
 
@@ -350,8 +355,12 @@ def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_
         assert link.sent_early == 0
         wait_for(lambda: p.check_accounting()["sources_in_flight"] == 0, what="the sources freed")
         d.abort("broken")
-        wait_for(lambda: p.peers[d.engine_id].link is not None and p.peers[d.engine_id].link is not link,
-                 timeout=10, what="a new data link")
+        def reconnected() -> bool:  # both halves on the new connection (either may see it first)
+            info = d.receiver.peers.get(p.engine_id)
+            new = p.peers[d.engine_id].link
+            return new is not None and new is not link and new.alive and info is not None and info.connected
+
+        wait_for(reconnected, timeout=10, what="a new data link")
         d.admit("after", PAGE_TOKENS, peer=p.engine_id)
         p.admit("after", PAGE_TOKENS)
         fill_random(p.layout, p.sender.source_pages("after"), seed=501)
@@ -362,8 +371,9 @@ def test_a_write_frame_that_fails_as_it_is_posted_is_reported_and_ends_only_its_
         close_checked(made)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "lanes"])
-def test_a_done_queued_behind_another_requests_write_claims_its_own_pages(inline):
+def test_a_done_queued_behind_another_requests_write_claims_its_own_pages(inline, transport):
     """Y is sent without its DONE, then X (also without), then Y's DONE is posted: on the link Y's DONE sits
     right behind X's WRITE frame, and the link sends them together. The DONE must claim Y's checksum, not
     one summed from X's pages (a review found the one-call summed DONE taking the batch it followed):
@@ -371,7 +381,7 @@ def test_a_done_queued_behind_another_requests_write_claims_its_own_pages(inline
     made: list = []
     try:
         rids = ["Y", "X"]
-        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=600)
+        p, d, link = admitted_pair(made, rids, PAGE_TOKENS, seed=600, transport=transport)
         link.inline_send = inline
         p.send("Y", finish=False)
         until_idle(link)

@@ -109,6 +109,7 @@ class Rig:
 
     def close(self) -> None:
         self.receiver.close()
+        self.transport.close()  # its sending threads end with it
 
 
 @pytest.fixture

@@ -922,10 +922,14 @@ class ShmLink(FrameLink):
         self._watch_stop = np.zeros(1, dtype=np.uint64)  # 1: the watcher returns
         self._watcher: threading.Thread | None = None
         self._init_lane(lanes)
-        # a small request posted on an idle link goes into the ring from the posting thread (unhold)
+        # a small request posted on an idle link goes into the ring from the posting thread: its WRITE frame
+        # as its batch is posted (_send_early), its DONE at the last unhold (_send_inline)
         self.inline_send = inline_send
-        self.sent_inline = 0  # write batches put into the ring by the posting thread
+        self.sent_inline = 0  # small requests whose DONE the posting thread put into the ring (unhold)
         self.inline_deferred = 0  # small requests claimed for it that a sending thread took (no room in the ring)
+        self.sent_early = 0  # WRITE frames put into the ring by the posting thread as their batch was posted
+        self._early: WriteBatch | None = None  # that batch, its DONE not yet sent (the link claimed)
+        self._early_cut: FrameCut | None = None  # its one frame, cut when it was claimed
         self._next_pid_check = 0.0
         self.layout = layout
         self.ring = ring
@@ -1079,52 +1083,136 @@ class ShmLink(FrameLink):
         self.drain_messages()
 
     # from the posting thread -------------------------------------------------------------------------------
-    def _claim_inline(self) -> tuple[WriteJob, OrderedJob, FrameCut] | None:
-        """Under ``_cond``: the queue's two jobs, taken as a lane would take them (the link marked
-        scheduled), when they are a batch of one frame on the C path and the ordered message behind it,
-        on an idle link whose sources need no wait; else None."""
-        if (not self.inline_send or self._scheduled or self._closing or self._abort or self._ended.is_set()
-                or (self.faults is not None and not self.faults.idle()) or _native() is None or len(self._queue) != 2):
-            return None
-        job, behind = self._queue
-        if (not isinstance(job, WriteJob) or not isinstance(behind, OrderedJob) or job.batch.cancelled
-                or job.batch.ready is not None or job.batch.nbytes > INLINE_MAX_BYTES):
+    def _may_claim(self) -> bool:
+        """Under ``_cond``: the posting thread may take this link's next send itself (inline sends on, the C
+        path, the link idle and open, no fault injection waiting)."""
+        return (self.inline_send and not self._scheduled and not self._closing and not self._abort
+                and self._lost is None and not self._ended.is_set() and _native() is not None
+                and (self.faults is None or self.faults.idle()))
+
+    def _one_small_frame(self, job: Any) -> FrameCut | None:
+        """The one frame of ``job`` when it is a small write batch whose sources need no wait, else None."""
+        if (not isinstance(job, WriteJob) or job.batch.cancelled or job.batch.ready is not None
+                or job.batch.nbytes > INLINE_MAX_BYTES):
             return None
         cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
-        if len(cuts) != 1:
-            return None
+        return cuts[0] if len(cuts) == 1 else None
+
+    def _claim_early(self, job: WriteJob) -> bool:
+        """Under ``_cond``, ``job`` posted while the link is held (a send posting a small request's writes,
+        then its DONE): whether the posting thread puts its WRITE frame into the ring now
+        (:meth:`_send_early`), before the rest of the post is done, the link claimed until the last unhold
+        puts the DONE behind it. So the landing thread lands the pages meanwhile. Only a small batch
+        posted first on an idle link."""
+        if self._queue or self._early is not None or not self._may_claim():
+            return False
+        cut = self._one_small_frame(job)
+        if cut is None:
+            return False
         self._scheduled = True
         self._serving = threading.current_thread()
-        self._queue.clear()
-        return job, behind, cuts[0]
+        self._early_cut = cut
+        return True
+
+    def _send_early(self, job: WriteJob) -> None:
+        """The posting thread, the link claimed (:meth:`_claim_early`): ``job``'s WRITE frame goes into the
+        ring now if the ring has room for it (never waiting), and the batch is reported sent; the claim is
+        kept for the DONE the post queues behind it (:meth:`_claim_inline`). Without room, cancelled
+        meanwhile, or when the frame cannot go (the reader fenced), the batch goes back to the head of the queue unreported and
+        the claim is given back: a lane sends or fails it after the post, never in its middle."""
+        batch, cut = job.batch, self._early_cut
+        try:
+            self._check_reader()
+            if not batch.wait_sources() or self._free() < f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes:
+                with self._cond:  # (the last unhold claims it again with its DONE, and counts it deferred)
+                    self._queue.appendleft(job)
+                    self._give_back()
+                return
+            self._send_frame(batch, cut, last=True)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, _Fenced) else f"send failed: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, _Fenced):
+                log.warning("shm connection %s: %s", self.conn_id, reason)
+            with self._cond:
+                self._lost = self._lost or reason
+                self._queue.appendleft(job)
+                self._give_back()
+            return
+        self.frames_sent += 1
+        self.sent_early += 1
+        job.on_complete(batch, len(batch), 0)
+        with self._cond:
+            if self._holding:  # the post goes on: its last unhold takes the claim back
+                self._early = batch
+                return
+            self._give_back()
+
+    def _give_back(self, requeue: list[Any] | None = None) -> None:
+        """Under ``_cond``: the posting thread's claim ends; ``requeue`` goes first, and a step is scheduled
+        if anything is left to do, unless a post still holds the link (its last unhold schedules it: a
+        lane must not end the link in the middle of a post)."""
+        self._serving = None
+        self._scheduled = False
+        self._queue.extendleft(reversed(requeue or []))
+        if (not self._holding and not self._ended.is_set()
+                and (self._queue or self._closing or self._abort or self._lost is not None)):
+            self._kick()
+
+    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob | None, FrameCut | None] | None:
+        """Under ``_cond``, at the last unhold: what the posting thread puts into the ring itself now, for
+        :meth:`_send_inline`: the queue's two jobs, taken as a lane would take them (the link claimed),
+        when they are a batch of one small frame and the ordered message behind it on an idle link; when a
+        batch's WRITE frame went at post time (:meth:`_send_early`), the ordered message queued alone
+        behind it (anything else queued, or nothing: the claim is given back). None: nothing to send
+        here (a step is scheduled if the link has anything to do)."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._serving = threading.current_thread()  # the last unhold may be another holder's thread
+            if (len(self._queue) == 1 and isinstance(self._queue[0], OrderedJob) and not self._closing
+                    and not self._abort and self._lost is None and (self.faults is None or self.faults.idle())):
+                return None, self._queue.popleft(), None
+            self._give_back()
+            return None
+        if len(self._queue) == 2 and isinstance(self._queue[1], OrderedJob) and self._may_claim():
+            cut = self._one_small_frame(self._queue[0])
+            if cut is not None:
+                self._scheduled = True
+                self._serving = threading.current_thread()
+                job, behind = self._queue.popleft(), self._queue.popleft()
+                return job, behind, cut
+        if not self._ended.is_set() and (self._queue or self._closing or self._abort or self._lost is not None):
+            self._kick()
+        return None
 
     def _free(self) -> int:
         """Bytes of the ring the writer may fill now without waiting."""
         return self.ring.size - (self._producer - self.ring.load(W_CONSUMER))
 
-    def _send_inline(self, job: WriteJob, ordered: OrderedJob, cut: FrameCut) -> None:
+    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob, cut: FrameCut | None) -> None:
         """Put a claimed small request into the ring from the posting thread, a whole frame at a time and
         only where the ring has room for it, so it never waits: what does not fit (the batch, or the
-        ordered frame built after it) goes back first in the queue for a lane. A fenced reader or any
-        failure ends the link on a lane, as a lane's own failure would."""
+        ordered frame built after it) goes back first in the queue for a lane. ``job`` None: its WRITE
+        frame went at post time, the ordered message alone follows. A fenced reader or any failure ends
+        the link on a lane, as a lane's own failure would."""
         requeue: list[Any] = []
         reported = False
 
         def on_complete(batch: WriteBatch, ok: int, failed: int) -> None:
             nonlocal reported
             reported = True
-            job.on_complete(batch, ok, failed)
+            job.on_complete(batch, ok, failed)  # type: ignore[union-attr]
 
         try:
             self._check_reader()
-            frame = f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes
-            if self._free() < frame:
-                requeue = [job, ordered]
-                self.inline_deferred += 1
-                return
-            self._send_batch_frames(WriteJob(job.batch, on_complete), [cut],
-                                    lambda batch, c, last: self._send_frame(batch, c, last=last))
-            self.frames_sent += 1
+            if job is not None and cut is not None:
+                frame = f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes
+                if self._free() < frame:
+                    requeue = [job, ordered]
+                    self.inline_deferred += 1
+                    return
+                self._send_batch_frames(WriteJob(job.batch, on_complete), [cut],
+                                        lambda batch, c, last: self._send_frame(batch, c, last=last))
+                self.frames_sent += 1
             self.sent_inline += 1
             msg = ordered.msg() if callable(ordered.msg) else ordered.msg
             trailer = f.ordered_frame(msg, slot=ordered.slot, generation=ordered.gen)
@@ -1134,7 +1222,7 @@ class ShmLink(FrameLink):
             self._write_pieces([trailer])
             self.frames_sent += 1
         except Exception as exc:  # the link ends on a lane with this reason
-            if not reported:  # it failed before the batch went into the ring: its writes failed
+            if job is not None and not reported:  # it failed before the batch went into the ring: its writes failed
                 job.on_complete(job.batch, 0, len(job.batch))
             reason = str(exc) if isinstance(exc, _Fenced) else f"send failed: {type(exc).__name__}: {exc}"
             if not isinstance(exc, _Fenced):
@@ -1142,11 +1230,7 @@ class ShmLink(FrameLink):
             self._lost = self._lost or reason
         finally:
             with self._cond:
-                self._serving = None
-                self._scheduled = False
-                self._queue.extendleft(reversed(requeue))
-                if not self._ended.is_set() and (self._queue or self._closing or self._abort or self._lost):
-                    self._kick()
+                self._give_back(requeue)
 
     # on the transport's sending lanes ---------------------------------------------------------------------
     def serve_step(self) -> None:

@@ -290,6 +290,9 @@ def _transfer(prefill: Any, decode: Any, peer: str, rid: str) -> dict[str, Any]:
     prefill.prepare(rid=rid)
     prefill.send(rid=rid)
     assert decode.wait(rid=rid, timeout=15)["state"] == "READABLE"
+    # settled on the prefill too, its source pages free for the next request (its RESULT may come after
+    # the decode's READABLE: a loaded CI runner admitted the next one first and found the pool short)
+    assert prefill.wait(rid=rid, timeout=15)["state"] == "SUCCEEDED"
     return decode.read_check(rid=rid)
 
 
@@ -322,6 +325,7 @@ def test_prefill_on_host_a_and_decode_on_host_b_transfer_verified_by_content(two
         assert decode.resume() and decode.run_state is RunState.RUNNING
         assert decode.wait(rid="frozen", timeout=15)["state"] == "READABLE"
         assert decode.read_check(rid="frozen")["corrupted_pages"] == 0
+        assert prefill.wait(rid="frozen", timeout=15)["state"] == "SUCCEEDED"
 
         # SIGKILL the prefill mid-request: the decode fails it and frees every page
         prefill.admit(rid="cut", tokens=800)

@@ -54,6 +54,32 @@ class RawJob:
     frame: list[Any]
 
 
+@dataclass
+class SmallWire:
+    """A small batch's one WRITE frame, ready for the C send (tcp: one sendmsg; shm: one ring copy): its
+    header and run table (``prefix``), the payload's source addresses and lengths (uint64 bytes), and
+    (addresses, lengths, item lengths) as bytes for the call that sums the items. Made when the request's
+    destination arrived (``prepare``), so that the send itself builds nothing."""
+
+    nbytes: int
+    prefix: bytes
+    addresses: bytes
+    lengths: bytes
+    payload: tuple[bytes, bytes, bytes]
+
+    @classmethod
+    def of(cls, batch: WriteBatch, cut: FrameCut, src_base: np.ndarray) -> SmallWire:
+        """``batch``'s WRITE frame ``cut`` (its only one), its sources in buffers at ``src_base``."""
+        from ..wire import frames as f
+
+        addresses = (src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)).tobytes()
+        lengths = np.asarray(cut.lengths, dtype=np.uint64).tobytes()
+        prefix = f.write_header(batch.slot, batch.gen, len(cut.lengths), cut.nbytes) + f.pack_runs(
+            cut.buffers, cut.dst_offsets, cut.lengths)
+        return cls(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
+                   payload=(addresses, lengths, cut.units.astype(np.uint64).tobytes()))
+
+
 class FrameLink(SenderLink, LaneLink):
     """The posting side and the bookkeeping of a link that sends frames, served by the transport's
     sending lanes (:class:`~kvxfer.transport.lanes.LaneLink`: a job posted schedules a step)."""
@@ -216,6 +242,11 @@ class FrameLink(SenderLink, LaneLink):
 
     def _keep_sums(self, batch: WriteBatch, sums: np.ndarray, last: bool) -> None:
         """Append one frame's item checksums to the batch's (frames go out in batch order)."""
+        if batch.item_sums is None and last:  # the batch's one frame: its sums are the batch's
+            batch.item_sums = sums
+            batch.sums_filled = len(sums)
+            batch.sums_done = True
+            return
         if batch.item_sums is None:
             items = batch.item_counts(self.layout.item_lens)
             batch.item_sums = np.empty(int(items.sum()), dtype=np.uint32)

@@ -151,7 +151,7 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import FrameLink, OrderedJob, RawJob, WriteJob
+from .framed import FrameLink, OrderedJob, RawJob, SmallWire, WriteJob
 from .lanes import SendLanes
 from .options import ShmOptions
 
@@ -201,11 +201,14 @@ LIVENESS_AFTER = 1.0  # a side waiting this long starts checking that the other 
 _STALE_AGE = 60.0  # ring files of dead processes older than this are removed by a new receiver
 
 
+_NATIVE = (native.lib if native.provides("copy_runs", "ring_copy", "ring_load", "ring_store", "ring_wait", "ring_publish",
+                                         "ring_wake") else None)
+
+
 def _native() -> Any:
     """The C extension when it has the ring functions (an extension built from an older native/ does
-    not: then the pure-Python path runs, as under KVXFER_PURE_PYTHON=1)."""
-    return (native.lib if native.provides("copy_runs", "ring_copy", "ring_load", "ring_store", "ring_wait", "ring_publish",
-                                          "ring_wake") else None)
+    not: then the pure-Python path runs, as under KVXFER_PURE_PYTHON=1); looked up once, at import."""
+    return _NATIVE
 
 
 def _boot_id() -> str:
@@ -929,7 +932,8 @@ class ShmLink(FrameLink):
         self.inline_deferred = 0  # small requests claimed for it that a sending thread took (no room in the ring)
         self.sent_early = 0  # WRITE frames put into the ring by the posting thread as their batch was posted
         self._early: WriteBatch | None = None  # that batch, its DONE not yet sent (the link claimed)
-        self._early_cut: FrameCut | None = None  # its one frame, cut when it was claimed
+        self._early_small: SmallWire | FrameCut | None = None  # its one frame, as _small made it when claimed
+        self.sent_prepared = 0  # ... of which made when the destination arrived (prepare)
         self._next_pid_check = 0.0
         self.layout = layout
         self.ring = ring
@@ -1090,13 +1094,45 @@ class ShmLink(FrameLink):
                 and self._lost is None and not self._ended.is_set() and _native() is not None
                 and (self.faults is None or self.faults.idle()))
 
-    def _one_small_frame(self, job: Any) -> FrameCut | None:
-        """The one frame of ``job`` when it is a small write batch whose sources need no wait, else None."""
+    def _small(self, job: Any) -> SmallWire | FrameCut | None:
+        """What the posting thread puts into the ring for ``job`` when it is a small write batch of one
+        frame whose sources need no wait: its WRITE frame made when its destination arrived (:meth:`prepare`)
+        or now, for one C copy; with fault injection on the link, the frame's cut (the faults act on it as
+        a lane's step sends it). None: a lane sends it."""
         if (not isinstance(job, WriteJob) or job.batch.cancelled or job.batch.ready is not None
                 or job.batch.nbytes > INLINE_MAX_BYTES):
             return None
-        cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
-        return cuts[0] if len(cuts) == 1 else None
+        batch = job.batch
+        if self.faults is None and isinstance(batch.wire, SmallWire):
+            self.sent_prepared += 1
+            return batch.wire
+        cuts = cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
+        if len(cuts) != 1:
+            return None
+        return SmallWire.of(batch, cuts[0], self._src_base) if self.faults is None else cuts[0]
+
+    @staticmethod
+    def _small_bytes(small: SmallWire | FrameCut) -> int:
+        """The ring bytes of a small batch's WRITE frame."""
+        if isinstance(small, SmallWire):
+            return len(small.prefix) + small.nbytes
+        return f.HEADER_SIZE + f.RUN_SIZE * len(small.lengths) + small.nbytes
+
+    def _put_small(self, batch: WriteBatch, small: SmallWire | FrameCut) -> None:
+        """A small batch's one WRITE frame into the ring (the caller made sure it has room)."""
+        if isinstance(small, SmallWire):
+            self._send_wire(batch, small)
+        else:
+            self._send_frame(batch, small, last=True)
+
+    def prepare(self, batch: WriteBatch) -> None:
+        """A small batch's WRITE frame and descriptors, made when its destination arrived (before its
+        send): the posting thread then only copies it into the ring."""
+        if (self.inline_send and self.faults is None and _native() is not None and batch.ready is None
+                and batch.nbytes <= INLINE_MAX_BYTES):
+            cuts = cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
+            if len(cuts) == 1:
+                batch.wire = SmallWire.of(batch, cuts[0], self._src_base)
 
     def _claim_early(self, job: WriteJob) -> bool:
         """Under ``_cond``, ``job`` posted while the link is held (a send posting a small request's writes,
@@ -1106,12 +1142,12 @@ class ShmLink(FrameLink):
         posted first on an idle link."""
         if self._queue or self._early is not None or not self._may_claim():
             return False
-        cut = self._one_small_frame(job)
-        if cut is None:
+        small = self._small(job)
+        if small is None:
             return False
         self._scheduled = True
         self._serving = threading.current_thread()
-        self._early_cut = cut
+        self._early_small = small
         return True
 
     def _send_early(self, job: WriteJob) -> None:
@@ -1120,15 +1156,15 @@ class ShmLink(FrameLink):
         kept for the DONE the post queues behind it (:meth:`_claim_inline`). Without room, cancelled
         meanwhile, or when the frame cannot go (the reader fenced), the batch goes back to the head of the queue unreported and
         the claim is given back: a lane sends or fails it after the post, never in its middle."""
-        batch, cut = job.batch, self._early_cut
+        batch, small = job.batch, self._early_small
         try:
             self._check_reader()
-            if not batch.wait_sources() or self._free() < f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes:
+            if not batch.wait_sources() or self._free() < self._small_bytes(small):
                 with self._cond:  # (the last unhold claims it again with its DONE, and counts it deferred)
                     self._queue.appendleft(job)
                     self._give_back()
                 return
-            self._send_frame(batch, cut, last=True)
+            self._put_small(batch, small)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, _Fenced) else f"send failed: {type(exc).__name__}: {exc}"
             if not isinstance(exc, _Fenced):
@@ -1158,7 +1194,7 @@ class ShmLink(FrameLink):
                 and (self._queue or self._closing or self._abort or self._lost is not None)):
             self._kick()
 
-    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob | None, FrameCut | None] | None:
+    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob | None, SmallWire | FrameCut | None] | None:
         """Under ``_cond``, at the last unhold: what the posting thread puts into the ring itself now, for
         :meth:`_send_inline`: the queue's two jobs, taken as a lane would take them (the link claimed),
         when they are a batch of one small frame and the ordered message behind it on an idle link; when a
@@ -1174,12 +1210,12 @@ class ShmLink(FrameLink):
             self._give_back()
             return None
         if len(self._queue) == 2 and isinstance(self._queue[1], OrderedJob) and self._may_claim():
-            cut = self._one_small_frame(self._queue[0])
-            if cut is not None:
+            small = self._small(self._queue[0])
+            if small is not None:
                 self._scheduled = True
                 self._serving = threading.current_thread()
                 job, behind = self._queue.popleft(), self._queue.popleft()
-                return job, behind, cut
+                return job, behind, small
         if not self._ended.is_set() and (self._queue or self._closing or self._abort or self._lost is not None):
             self._kick()
         return None
@@ -1188,7 +1224,7 @@ class ShmLink(FrameLink):
         """Bytes of the ring the writer may fill now without waiting."""
         return self.ring.size - (self._producer - self.ring.load(W_CONSUMER))
 
-    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob, cut: FrameCut | None) -> None:
+    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob, small: SmallWire | FrameCut | None) -> None:
         """Put a claimed small request into the ring from the posting thread, a whole frame at a time and
         only where the ring has room for it, so it never waits: what does not fit (the batch, or the
         ordered frame built after it) goes back first in the queue for a lane. ``job`` None: its WRITE
@@ -1204,14 +1240,13 @@ class ShmLink(FrameLink):
 
         try:
             self._check_reader()
-            if job is not None and cut is not None:
-                frame = f.HEADER_SIZE + f.RUN_SIZE * len(cut.lengths) + cut.nbytes
-                if self._free() < frame:
+            if job is not None and small is not None:
+                if self._free() < self._small_bytes(small):
                     requeue = [job, ordered]
                     self.inline_deferred += 1
                     return
-                self._send_batch_frames(WriteJob(job.batch, on_complete), [cut],
-                                        lambda batch, c, last: self._send_frame(batch, c, last=last))
+                self._put_small(job.batch, small)  # raising: its writes are reported failed below
+                on_complete(job.batch, len(job.batch), 0)
                 self.frames_sent += 1
             self.sent_inline += 1
             msg = ordered.msg() if callable(ordered.msg) else ordered.msg
@@ -1219,7 +1254,8 @@ class ShmLink(FrameLink):
             if self._free() < len(trailer):
                 requeue = [RawJob([trailer])]
                 return
-            self._write_pieces([trailer])
+            self.ring.write(self._producer, memoryview(trailer))  # it fits: one copy, one publish
+            self._publish(len(trailer))
             self.frames_sent += 1
         except Exception as exc:  # the link ends on a lane with this reason
             if job is not None and not reported:  # it failed before the batch went into the ring: its writes failed
@@ -1301,34 +1337,49 @@ class ShmLink(FrameLink):
         cuts = cut_frames(job.batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
         self._send_batch_frames(job, cuts, lambda batch, cut, last: self._send_frame(batch, cut, last=last))
 
+    def _send_wire(self, batch: WriteBatch, wire: SmallWire) -> None:
+        """A small batch's prepared WRITE frame: its header and run table copied in, its payload copied
+        (and its items summed) in C, the whole frame published at once."""
+        ring = self.ring
+        at = self._producer
+        ring.write(at, memoryview(wire.prefix))
+        summed = self._sum_fn is not None and batch.sums_ready is None
+        addresses, lengths, units = wire.payload
+        self._copy_in(batch, addresses, lengths, units if summed else lengths, summed, at + len(wire.prefix),
+                      wire.nbytes, True)
+
+    def _copy_in(self, batch: WriteBatch, addresses: bytes, lengths: bytes, items: bytes, summed: bool, position: int,
+                 nbytes: int, last: bool) -> None:
+        """``ring_copy`` of a frame's payload from the sources into the ring at ``position``, published as
+        it goes (with everything before it); the item checksums it took kept for the batch's DONE."""
+        ring = self.ring
+        base = ring.base
+        rc, raw = _native().ring_copy(addresses, lengths, items, self._sum_fn if summed else -1, self._sum_initial,
+                                      SUM_CHUNK, ring.data, ring.size, position, 0, base + W_CONSUMER, base + W_PRODUCER,
+                                      base + W_READER_STATE, READER_FENCED, int(self._abort_word.ctypes.data), 1,
+                                      self._reader_pid or 0, base + W_WRITER_WANT, base + W_READER_WANT)
+        if rc == 1:
+            raise _Fenced("the receiver fenced or closed the connection")
+        if rc == 2:
+            raise _Fenced("link aborted")
+        if rc == 3:
+            raise _Fenced(f"the receiver's process {self._reader_pid} exited")
+        self._producer = position + nbytes  # ring_copy published it
+        if raw is not None:
+            self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
+        self.bytes_sent += nbytes
+
     def _send_frame(self, batch: WriteBatch, cut: FrameCut, *, last: bool) -> None:
         buffers, size = cut.buffers, cut.nbytes
         header = f.write_header(batch.slot, batch.gen, len(cut.lengths), size)
         runs = f.pack_runs(buffers, cut.dst_offsets, cut.lengths)
-        lib = _native()
-        if self.faults is None and lib is not None:  # streamed: published piece by piece as it is copied
-            ring = self.ring
+        if self.faults is None and _native() is not None:  # streamed: published piece by piece as it is copied
             self._write_pieces([header, runs])
             lengths = cut.lengths.astype(np.uint64)
             src = self._src_base[buffers] + cut.src_offsets.astype(np.uint64)
             summed = self._sum_fn is not None and batch.sums_ready is None
             items = cut.units.astype(np.uint64) if summed else lengths
-            base = ring.base
-            rc, raw = lib.ring_copy(src.tobytes(), lengths.tobytes(), items.tobytes(),
-                                    self._sum_fn if summed else -1, self._sum_initial, SUM_CHUNK,
-                                    ring.data, ring.size, self._producer, 0, base + W_CONSUMER, base + W_PRODUCER,
-                                    base + W_READER_STATE, READER_FENCED, int(self._abort_word.ctypes.data), 1,
-                                    self._reader_pid or 0, base + W_WRITER_WANT, base + W_READER_WANT)
-            if rc == 1:
-                raise _Fenced("the receiver fenced or closed the connection")
-            if rc == 2:
-                raise _Fenced("link aborted")
-            if rc == 3:
-                raise _Fenced(f"the receiver's process {self._reader_pid} exited")
-            self._producer += size  # ring_copy published it
-            if raw is not None:
-                self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), last)
-            self.bytes_sent += size
+            self._copy_in(batch, src.tobytes(), lengths.tobytes(), items.tobytes(), summed, self._producer, size, last)
             return
         payload: list[Any] = [self._src[b][o : o + n]
                               for b, o, n in zip(buffers.tolist(), cut.src_offsets.tolist(), cut.lengths.tolist())]

@@ -77,7 +77,7 @@ from .base import (
     TransportFactory,
 )
 from .faults import FaultInjector
-from .framed import FrameLink, OrderedJob, RawJob, WriteJob
+from .framed import FrameLink, OrderedJob, RawJob, SmallWire, WriteJob
 from .lanes import DEFAULT_THREADS, SendLanes
 from .options import TcpOptions
 from .staging import Staging, copy_engine, packed_offsets
@@ -856,19 +856,6 @@ class TcpReceiver(ReceiverBackend):
                 self._on_closed(conn_id, "receiver closed")
 
 
-@dataclass
-class _Wire:
-    """A small batch's WRITE frame ready for one sendmsg: its header and run table (``prefix``), the
-    payload's addresses and lengths (uint64 bytes, the iovecs), and (addresses, lengths, item lengths)
-    as bytes for the checksum call."""
-
-    nbytes: int
-    prefix: bytes
-    addresses: bytes
-    lengths: bytes
-    payload: tuple[bytes, bytes, bytes]
-
-
 class _Reported:
     """A write job's completion callback that remembers it was called (once is the rule)."""
 
@@ -881,7 +868,7 @@ class _Reported:
         self.job.on_complete(batch, ok, failed)
 
 
-def _unsent(wire: _Wire, sent: int) -> bytes:
+def _unsent(wire: SmallWire, sent: int) -> bytes:
     """The bytes of ``wire``'s WRITE frame (its prefix, then each run's pages) after the first ``sent``,
     copied out of the sources."""
     pieces, skip = [], sent
@@ -951,7 +938,7 @@ class TcpLink(FrameLink):
         self.inline_rest = 0  # ... of which the socket took only part at once: a lane sent the rest
         self.sent_early = 0  # WRITE frames sent by the posting thread as their batch was posted (_send_early)
         self.frames_in_c = 0  # WRITE frames of batches sent several to a C call (send_frames)
-        self._early: tuple[WriteBatch, _Wire] | None = None  # that batch, its DONE not yet sent (the link claimed)
+        self._early: tuple[WriteBatch, SmallWire] | None = None  # that batch, its DONE not yet sent (the link claimed)
         self._src = ([memoryview(layout.flat_view(b)) for b in range(layout.num_buffers)]
                      if layout.device == "cpu" else [])
         self._src_base = np.array([spec.address for spec in layout.buffers], dtype=np.uint64)
@@ -1136,7 +1123,7 @@ class TcpLink(FrameLink):
         with self._cond:
             self._give_back(rest)
 
-    def _keep_item_sums(self, batch: WriteBatch, wire: _Wire) -> None:
+    def _keep_item_sums(self, batch: WriteBatch, wire: SmallWire) -> None:
         """The item checksums of a small batch whose WRITE frame left, kept for its DONE (built now behind
         it, or later: a chunk of a request sent in several), as a lane keeps them while sending."""
         if self._sum_fn is not None and batch.sums_ready is None and not batch.sums_done:
@@ -1144,7 +1131,7 @@ class TcpLink(FrameLink):
             self._keep_sums(batch, np.frombuffer(raw, dtype=np.uint32), True)
 
     def _send_inline(self, job: WriteJob | None, ordered: OrderedJob | None,
-                     early: tuple[WriteBatch, _Wire] | None = None) -> None:
+                     early: tuple[WriteBatch, SmallWire] | None = None) -> None:
         """Send what :meth:`_claim_inline` claimed from the posting thread, never waiting for the socket: a
         small batch's WRITE frame and the ordered message behind it, or (``early``: its WRITE frame left at
         post time) the ordered message alone, or nothing (``ordered`` None: the early batch's checksums are
@@ -1274,15 +1261,9 @@ class TcpLink(FrameLink):
         if self._sends_whole(batch):
             batch.wire = self._wire(batch)
 
-    def _wire(self, batch: WriteBatch) -> _Wire:
+    def _wire(self, batch: WriteBatch) -> SmallWire:
         (cut,) = self._frames(batch)  # one frame (_sends_whole)
-        n = len(cut.lengths)
-        addresses = (self._src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)).tobytes()
-        lengths = np.asarray(cut.lengths, dtype=np.uint64).tobytes()
-        prefix = f.write_header(batch.slot, batch.gen, n, cut.nbytes) + f.pack_runs(cut.buffers, cut.dst_offsets,
-                                                                                  cut.lengths)
-        return _Wire(nbytes=cut.nbytes, prefix=prefix, addresses=addresses, lengths=lengths,
-                     payload=(addresses, lengths, cut.units.astype(np.uint64).tobytes()))
+        return SmallWire.of(batch, cut, self._src_base)
 
     def _send_batch_with_ordered(self, job: WriteJob, ordered: OrderedJob, *, wait: bool = True) -> bytes:
         """One WRITE frame (the whole batch), then the ordered message behind it. The WRITE frame leaves
@@ -1315,14 +1296,14 @@ class TcpLink(FrameLink):
         job.on_complete(batch, len(batch), 0)
         return rest
 
-    def _prepared_wire(self, batch: WriteBatch) -> _Wire:
+    def _prepared_wire(self, batch: WriteBatch) -> SmallWire:
         """The batch's WRITE frame and descriptors: made when its destination arrived (:meth:`prepare`), or now."""
         if batch.wire is None:
             return self._wire(batch)
         self.sent_prepared += 1
         return batch.wire
 
-    def _send_write(self, wire: _Wire, *, wait: bool) -> bytes:
+    def _send_write(self, wire: SmallWire, *, wait: bool) -> bytes:
         """A small batch's WRITE frame; without ``wait`` the bytes the socket did not take, copied."""
         fd = self._sock.fileno()
         if wait:
@@ -1331,7 +1312,7 @@ class TcpLink(FrameLink):
         sent = native.lib.send_runs_nowait(fd, wire.prefix, wire.addresses, wire.lengths)
         return _unsent(wire, sent) if sent < len(wire.prefix) + wire.nbytes else b""
 
-    def _send_behind(self, batch: WriteBatch, wire: _Wire, ordered: OrderedJob, unsent: bytes, *, wait: bool) -> bytes:
+    def _send_behind(self, batch: WriteBatch, wire: SmallWire, ordered: OrderedJob, unsent: bytes, *, wait: bool) -> bytes:
         """The ordered message behind a batch whose WRITE frame went (``unsent``: the part of it the socket
         has not taken yet, which goes first): a DONE is summed, filled in and sent in one C call where it
         can be (:meth:`_unsummed_done`), else the batch's item checksums are taken and the message built

@@ -38,15 +38,15 @@ reader lands those bytes and publishes its own position behind them, so a frame 
 the ring and the ring's bytes stay in cache between the two copies (a small ring is faster).
 
 The landing thread acts as the tcp receiver thread does (a NIC): it copies every frame's header and
-body out of the ring before checking them (the writer can still change the ring), asks the
+body out of the ring before checking them (the writer can still change the ring; in C, ``ring_frame_head``,
+the twin of tcp's ``recv_frame_head``, with the Python reader as reference and fallback), asks the
 :class:`~kvxfer.core.writeguard.WriteGuard` about every WRITE and copies allowed payloads from the
-ring into the destination pages in C with the GIL released (``ring_copy`` in
-``native/kvxfer_native.c``), taking each item's checksum right after it landed, at the destination
-(the semantics of tcp's ``recv_runs_summed``; Adler-32 items of 32 KiB or more in the same pass as
-the copy, from the very bytes stored, the pages written with non-temporal stores so that landing
-a gigabyte does not evict the ring and the landing thread's state from the caches); refused
-payloads are read past and never land. An
-ORDERED frame is handed to the engine only after every earlier frame of the ring was landed or
+ring into the destination pages in C with the GIL released (``ring_run_table``, straight from the
+frame's run table, or ``ring_copy`` in ``native/kvxfer_native.c``), taking each item's checksum right
+after it landed, at the destination (the semantics of tcp's ``recv_runs_summed``; Adler-32 items of
+32 KiB or more in the same pass as the copy, from the very bytes stored, the pages written with
+non-temporal stores so that landing a gigabyte does not evict the ring and the landing thread's state
+from the caches); refused payloads are read past and never land. An ORDERED frame is handed to the engine only after every earlier frame of the ring was landed or
 refused (a drain proof). The consumer position only ever covers bytes already copied out, so the
 writer never overwrites bytes the reader has not finished with.
 

@@ -286,11 +286,11 @@ def test_a_small_request_s_write_frame_leaves_as_it_is_posted_and_its_done_at_th
         rids = [f"small-{i}" for i in range(5)]
         p, d, link = admitted_pair(made, rids + ["chunked"], 4 * PAGE_TOKENS, seed=300, transport=transport)
         until_idle(link)
-        early, inline = link.sent_early, link.sent_inline
+        early, inline, filled = link.sent_early, link.sent_inline, link.done_filled
         for rid in rids:
             p.send(rid)
             assert d.wait(rid, timeout=10).state is ReceiverState.READABLE
-        assert (link.sent_early - early, link.sent_inline - inline) == (5, 5)
+        assert (link.sent_early - early, link.sent_inline - inline, link.done_filled - filled) == (5, 5, 5)
         all_readable(p, d, rids)
         until_idle(link)
         early = link.sent_early

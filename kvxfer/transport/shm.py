@@ -931,7 +931,9 @@ class ShmLink(FrameLink):
         self.sent_inline = 0  # small requests whose DONE the posting thread put into the ring (unhold)
         self.inline_deferred = 0  # small requests claimed for it that a sending thread took (no room in the ring)
         self.sent_early = 0  # WRITE frames put into the ring by the posting thread as their batch was posted
-        self._early: WriteBatch | None = None  # that batch, its DONE not yet sent (the link claimed)
+        self._early: tuple[WriteBatch, SmallWire | FrameCut] | None = None  # that batch and its frame, its DONE
+        # not yet sent (the link claimed)
+        self.done_filled = 0  # DONE frames whose checksum was combined in C from the sums the WRITE's copy took
         self._early_small: SmallWire | FrameCut | None = None  # its one frame, as _small made it when claimed
         self.sent_prepared = 0  # ... of which made when the destination arrived (prepare)
         self._next_pid_check = 0.0
@@ -1179,7 +1181,7 @@ class ShmLink(FrameLink):
         job.on_complete(batch, len(batch), 0)
         with self._cond:
             if self._holding:  # the post goes on: its last unhold takes the claim back
-                self._early = batch
+                self._early = (batch, small)
                 return
             self._give_back()
 
@@ -1194,19 +1196,20 @@ class ShmLink(FrameLink):
                 and (self._queue or self._closing or self._abort or self._lost is not None)):
             self._kick()
 
-    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob | None, SmallWire | FrameCut | None] | None:
+    def _claim_inline(self) -> tuple[WriteJob | None, OrderedJob, SmallWire | FrameCut, WriteBatch] | None:
         """Under ``_cond``, at the last unhold: what the posting thread puts into the ring itself now, for
         :meth:`_send_inline`: the queue's two jobs, taken as a lane would take them (the link claimed),
         when they are a batch of one small frame and the ordered message behind it on an idle link; when a
         batch's WRITE frame went at post time (:meth:`_send_early`), the ordered message queued alone
         behind it (anything else queued, or nothing: the claim is given back). None: nothing to send
-        here (a step is scheduled if the link has anything to do)."""
+        here (a step is scheduled if the link has anything to do). Also the batch and its frame, for
+        the DONE behind it."""
         early, self._early = self._early, None
         if early is not None:
             self._serving = threading.current_thread()  # the last unhold may be another holder's thread
             if (len(self._queue) == 1 and isinstance(self._queue[0], OrderedJob) and not self._closing
                     and not self._abort and self._lost is None and (self.faults is None or self.faults.idle())):
-                return None, self._queue.popleft(), None
+                return None, self._queue.popleft(), early[1], early[0]
             self._give_back()
             return None
         if len(self._queue) == 2 and isinstance(self._queue[1], OrderedJob) and self._may_claim():
@@ -1215,16 +1218,45 @@ class ShmLink(FrameLink):
                 self._scheduled = True
                 self._serving = threading.current_thread()
                 job, behind = self._queue.popleft(), self._queue.popleft()
-                return job, behind, small
+                return job, behind, small, job.batch
         if not self._ended.is_set() and (self._queue or self._closing or self._abort or self._lost is not None):
             self._kick()
         return None
+
+    def _filled_done(self, batch: WriteBatch, small: SmallWire | FrameCut, ordered: OrderedJob) -> bytes | None:
+        """The DONE frame behind ``batch``'s one WRITE frame, its checksum combined in C from the item sums
+        that frame's copy took (tcp's ``send_summed_done`` sums again; here the copy summed already), where
+        DONE's builder offers it for this very batch (:meth:`~kvxfer.engine.sender.DoneBuilder.unsummed`),
+        the algorithm is this link's and every run of the frame is one item. None: the builder builds it."""
+        unsummed = getattr(ordered.msg, "unsummed", None)
+        if (unsummed is None or not isinstance(small, SmallWire) or self._sum_fn is None or not batch.sums_done
+                or batch.item_sums is None):
+            return None
+        msg = unsummed(batch)
+        if msg is None or msg.algo != self._sum_algo:
+            return None
+        frame = f.done_frame(msg, slot=ordered.slot)
+        if frame is None:
+            return None
+        item_lens = np.frombuffer(small.payload[2], dtype=np.uint64)  # a run per item (scattered pages)
+        if small.lengths != small.payload[2]:  # runs of several items each
+            runs = np.frombuffer(small.lengths, dtype=np.uint64)
+            item_lens = np.repeat(item_lens, (runs // item_lens).astype(np.int64))
+        if item_lens.size != batch.item_sums.size:
+            return None
+        checksum = _native().combine_items(self._sum_fn, self._sum_initial, batch.item_sums, item_lens)
+        filled = bytearray(frame)
+        filled[f.DONE_CHECKSUM_AT : f.DONE_CHECKSUM_AT + 4] = checksum.to_bytes(4, "little")
+        ordered.msg.built()
+        self.done_filled += 1
+        return bytes(filled)
 
     def _free(self) -> int:
         """Bytes of the ring the writer may fill now without waiting."""
         return self.ring.size - (self._producer - self.ring.load(W_CONSUMER))
 
-    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob, small: SmallWire | FrameCut | None) -> None:
+    def _send_inline(self, job: WriteJob | None, ordered: OrderedJob, small: SmallWire | FrameCut,
+                     batch: WriteBatch) -> None:
         """Put a claimed small request into the ring from the posting thread, a whole frame at a time and
         only where the ring has room for it, so it never waits: what does not fit (the batch, or the
         ordered frame built after it) goes back first in the queue for a lane. ``job`` None: its WRITE
@@ -1240,7 +1272,7 @@ class ShmLink(FrameLink):
 
         try:
             self._check_reader()
-            if job is not None and small is not None:
+            if job is not None:
                 if self._free() < self._small_bytes(small):
                     requeue = [job, ordered]
                     self.inline_deferred += 1
@@ -1249,8 +1281,10 @@ class ShmLink(FrameLink):
                 on_complete(job.batch, len(job.batch), 0)
                 self.frames_sent += 1
             self.sent_inline += 1
-            msg = ordered.msg() if callable(ordered.msg) else ordered.msg
-            trailer = f.ordered_frame(msg, slot=ordered.slot, generation=ordered.gen)
+            trailer = self._filled_done(batch, small, ordered)
+            if trailer is None:  # built as a lane's step builds it
+                msg = ordered.msg() if callable(ordered.msg) else ordered.msg
+                trailer = f.ordered_frame(msg, slot=ordered.slot, generation=ordered.gen)
             if self._free() < len(trailer):
                 requeue = [RawJob([trailer])]
                 return

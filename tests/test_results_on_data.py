@@ -18,6 +18,7 @@ import pytest
 from kvxfer.core.lifecycle import ReceiverState as R
 from kvxfer.core.lifecycle import SenderState as S
 from kvxfer.errors import ProtocolError
+from kvxfer.transport import shm
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 
@@ -32,12 +33,18 @@ def _results_on_data(pair) -> tuple[int, int, int]:
             prefill["requests"].get("results_on_data", 0))
 
 
+# tcp answers on its socket, shm in its ring's result area (tests/test_shm_results.py has shm's own cases)
+BOTH = ["tcp", pytest.param("shm", marks=pytest.mark.skipif(
+    shm._native() is None, reason="shm's result watcher needs the native extension (kvxfer._native)"))]
+
+
+@pytest.mark.parametrize("transport_name", BOTH)
 @pytest.mark.parametrize("tokens", [PAGE_TOKENS, 120 * PAGE_TOKENS], ids=["one-page", "verifier-thread"])
-def test_a_verified_request_is_answered_on_its_data_connection(engines, tokens):
+def test_a_verified_request_is_answered_on_its_data_connection(engines, tokens, transport_name):
     """A one-page request (verified on the data thread) and a larger one (verified on the verifier
     thread): each RESULT travels back on the data connection, the prefill succeeds on it, and the
     control plane carries none."""
-    pair = engines(fault_injection=False, prefill_pages=128, decode_pages=256)
+    pair = engines(fault_injection=False, prefill_pages=128, decode_pages=256, transport=transport_name)
     control_results = []
     deliver = pair.decode.receiver._deliver
     pair.decode.receiver._deliver = lambda peer, msg: (
@@ -53,8 +60,9 @@ def test_a_verified_request_is_answered_on_its_data_connection(engines, tokens):
     assert pair.link.results_received == 3 and pair.link.alive
 
 
-def test_a_failed_verification_is_answered_on_the_data_connection(engines):
-    pair = engines()
+@pytest.mark.parametrize("transport_name", BOTH)
+def test_a_failed_verification_is_answered_on_the_data_connection(engines, transport_name):
+    pair = engines(transport=transport_name)
     pair.faults.flip_next_write()
     pair.transfer("bad", 10 * PAGE_TOKENS, seed=5)
     assert pair.decode.wait("bad", timeout=10).state is R.FAILED
@@ -63,9 +71,10 @@ def test_a_failed_verification_is_answered_on_the_data_connection(engines):
     wait_for(lambda: _results_on_data(pair) == (1, 1, 1), timeout=5, what="the failure on the data connection")
 
 
-def test_with_the_option_off_results_go_on_the_control_plane(engines):
-    off = {"transport_options": {"tcp": {"answer_on_data": False}}}
-    pair = engines(fault_injection=False, decode_config=off)
+@pytest.mark.parametrize("transport_name", BOTH)
+def test_with_the_option_off_results_go_on_the_control_plane(engines, transport_name):
+    off = {"transport_options": {transport_name: {"answer_on_data": False}}}
+    pair = engines(fault_injection=False, decode_config=off, transport=transport_name)
     pair.transfer("a", 3 * PAGE_TOKENS)
     assert pair.decode.wait("a", timeout=10).state is R.READABLE
     assert pair.prefill.wait("a", timeout=10).state is S.SUCCEEDED

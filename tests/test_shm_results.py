@@ -1,6 +1,7 @@
 """RESULT back through the shm ring's result area (kvxfer/transport/shm.py; protocol/SPEC.md §3.0.1).
 
-The decode answers a leg's verification in the result area of the ring its DONE came on, never waiting;
+The common cases (a verified and a failed request answered there, the option off) run for both
+transports in tests/test_results_on_data.py. The decode answers a leg's verification in the result area of the ring its DONE came on, never waiting;
 where it cannot (the option off, a writer that does not read the area or left it full, the connection
 ending) the same RESULT goes on the control plane, exactly one of the two. The prefill's result watcher
 reads whole RESULT frames and delivers them as a RESULT from the control plane; anything else there, or
@@ -20,16 +21,10 @@ from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 
 from .conftest import PAGE_TOKENS, wait_for
+from .test_results_on_data import _results_on_data
 
 pytestmark = pytest.mark.skipif(shm._native() is None, reason="the result watcher needs the native extension "
                                                               "(kvxfer._native: KVXFER_PURE_PYTHON=1 or not built)")
-
-
-def _results_on_data(pair) -> tuple[int, int, int]:
-    """(decode RESULTs answered in the area, the transport's count of them, prefill RESULTs read there)."""
-    decode, prefill = pair.decode.stats(), pair.prefill.stats()
-    return (decode["requests"].get("results_on_data", 0), decode["data_path"]["answers_sent"],
-            prefill["requests"].get("results_on_data", 0))
 
 
 def _inbound(pair) -> shm._Inbound:
@@ -55,41 +50,9 @@ def shm_pair(engines):
     return make
 
 
-@pytest.mark.parametrize("tokens", [PAGE_TOKENS, 120 * PAGE_TOKENS], ids=["one-page", "verifier-thread"])
-def test_a_verified_request_is_answered_in_its_rings_result_area(shm_pair, tokens):
-    pair = shm_pair(prefill_pages=128, decode_pages=256)
-    control_results = []
-    deliver = pair.decode.receiver._deliver
-    pair.decode.receiver._deliver = lambda peer, msg: (
-        control_results.append(msg) if isinstance(msg, m.Result) else None, deliver(peer, msg))
-    for i in range(3):
-        src = pair.transfer(f"r{i}", tokens, seed=i)
-        assert pair.decode.wait(f"r{i}", timeout=10).state is R.READABLE
-        assert pair.prefill.wait(f"r{i}", timeout=10).state is S.SUCCEEDED
-        pair.expect_content(f"r{i}", src)
-        pair.decode.release(f"r{i}")
-    wait_for(lambda: _results_on_data(pair) == (3, 3, 3), timeout=5, what="three RESULTs through the result area")
-    assert control_results == []
-    assert pair.link.results_received == 3 and pair.link.alive
-
-
-def test_a_failed_verification_is_answered_in_the_result_area(shm_pair):
-    pair = shm_pair(fault_injection=True)
-    pair.faults.flip_next_write()
-    pair.transfer("bad", 10 * PAGE_TOKENS, seed=5)
-    assert pair.decode.wait("bad", timeout=10).state is R.FAILED
-    done = pair.prefill.wait("bad", timeout=10)
-    assert done.state is S.FAILED and "checksum" in str(done.error)
-    wait_for(lambda: _results_on_data(pair) == (1, 1, 1), timeout=5, what="the failure through the result area")
-
-
-@pytest.mark.parametrize("how", ["option off", "writer does not read the area"])
-def test_without_the_result_area_results_go_on_the_control_plane(shm_pair, how):
-    if how == "option off":
-        pair = shm_pair(decode_config={"transport_options": {"shm": {"answer_on_data": False}}})
-    else:
-        pair = shm_pair()
-        _inbound(pair).ring.store(shm.W_RESULT_READER, 0)  # as a writer without the native watcher leaves it
+def test_a_writer_that_does_not_read_the_area_gets_results_on_the_control_plane(shm_pair):
+    pair = shm_pair()
+    _inbound(pair).ring.store(shm.W_RESULT_READER, 0)  # as a writer without the native watcher leaves it
     pair.transfer("a", 3 * PAGE_TOKENS)
     assert pair.decode.wait("a", timeout=10).state is R.READABLE
     assert pair.prefill.wait("a", timeout=10).state is S.SUCCEEDED

@@ -937,6 +937,7 @@ class ShmLink(FrameLink):
         self._early_small: SmallWire | FrameCut | None = None  # its one frame, as _small made it when claimed
         self.sent_prepared = 0  # ... of which made when the destination arrived (prepare)
         self._next_pid_check = 0.0
+        self.idle_looks = 0  # steps with nothing queued: a look at the reader (about one per IDLE_CHECK when idle)
         self.layout = layout
         self.ring = ring
         self.address = f"shm:{ring.path}"
@@ -1330,7 +1331,7 @@ class ShmLink(FrameLink):
                 return
             due = self.faults.next_due() if self.faults is not None else None
         when = time.monotonic() + IDLE_CHECK
-        self._lanes.wake_at(self, min(when, due) if due is not None else when)
+        self._wake_later(min(when, due) if due is not None else when)
 
     def _step(self) -> None:
         if self._abort:
@@ -1348,6 +1349,7 @@ class ShmLink(FrameLink):
             self._end("closed")
             return
         if job is None:  # the idle look
+            self.idle_looks += 1
             self._check_reader()
             now = time.monotonic()
             if self._reader_pid is not None and now >= self._next_pid_check:

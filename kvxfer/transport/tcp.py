@@ -961,6 +961,7 @@ class TcpLink(FrameLink):
     # scheduling on the lanes ---------------------------------------------------------------------------------
     def wake(self) -> None:
         with self._cond:
+            self._woken()
             if self._queue or self._closing or (self.faults is not None and self.faults.next_due() is not None):
                 self._kick()
 
@@ -1190,7 +1191,7 @@ class TcpLink(FrameLink):
                 return
             due = self.faults.next_due() if self.faults is not None else None
         if due is not None:
-            self._lanes.wake_at(self, due)
+            self._wake_later(due)
 
     def _step(self) -> None:
         if self._lost is not None:

@@ -867,7 +867,7 @@ class VerbsLink(SenderLink, LaneLink):
                 self._kick(continuing=True)
                 return
         if busy:
-            self._lanes.wake_at(self, time.monotonic() + POLL_AGAIN_S)
+            self._wake_later(time.monotonic() + POLL_AGAIN_S)
 
     def _step(self) -> str | None:
         """The body of one pass; the reason the link ends, or None."""

@@ -317,8 +317,8 @@ def test_a_forged_done_frame_is_held_to_the_same_verification(engines):
 @pytest.mark.parametrize("checksum", ["adler32", "crc32"])
 def test_small_requests_are_summed_in_their_send_and_verified_in_one_pass(engines, checksum, inline, transport_name):
     """Production links (no fault injection): each small request's DONE leaves with its checksum filled in
-    C behind its WRITE frame (tcp: summed in the one C call that sends it, from the caller's thread and from
-    a sending lane; shm: combined from the sums the WRITE frame's copy took, from the caller's thread); its
+    C behind its WRITE frame (tcp: summed in the one C call that sends it; shm: combined from the sums the
+    WRITE frame's copy took; from the caller's thread and from a sending lane alike); its
     checksum is the source pages' own (the reference Python sum), the decode verifies it in one pass, and
     the bytes arrive exact. A request over DONE's binary layout (long aux) takes the other path and is
     verified as well."""
@@ -335,13 +335,12 @@ def test_small_requests_are_summed_in_their_send_and_verified_in_one_pass(engine
         assert req.writing[0].claim.checksum == checksum_pages(pair.prefill.layout, src, ChecksumAlgo.parse(checksum))
         pair.expect_content(f"r{i}", src)
         assert pair.prefill.wait(f"r{i}", timeout=10).state.value == "SUCCEEDED"
-    filled_here = 0 if transport_name == "shm" and not inline else 4  # shm's lanes build DONE in Python
-    assert link.done_filled == filled + filled_here
+    assert link.done_filled == filled + 4
     assert pair.decode.receiver.stats["verified_at_once"] == at_once + 4
     pair.prefill.admit("long-aux", PAGE_TOKENS, peer=pair.decode.engine_id)
     pair.decode.admit("long-aux", PAGE_TOKENS, peer=pair.peer)
     pair.prefill.wait_ready("long-aux")
     pair.prefill.send("long-aux", aux=bytes(f.DONE_AUX_MAX + 1))
     assert pair.decode.wait("long-aux", timeout=10).state is R.READABLE
-    assert link.done_filled == filled + filled_here
+    assert link.done_filled == filled + 4
 

@@ -119,6 +119,9 @@ def test_a_small_request_has_left_when_send_returns(engines, transport, inline):
         p.wait(rid, timeout=10)
     assert link.sent_inline == (20 if inline else 0)
     assert getattr(link, "inline_rest", 0) == 0 and getattr(link, "inline_deferred", 0) == 0
+    if not inline:  # a sending thread sent each request's frame and its DONE in one step, DONE summed in C
+        assert (getattr(link, "sent_with_ordered", 0), link.done_filled) == (20, 20), (
+            getattr(link, "sent_with_ordered", 0), link.done_filled)
 
 
 def test_what_a_full_socket_does_not_take_goes_from_a_sending_thread():

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..core.runs import FrameCut, WriteBatch
 from ..errors import TransportError
+from ..wire import frames as f
 from .base import ConnId, OnComplete, SenderLink
 from .lanes import LaneLink
 
@@ -70,8 +71,6 @@ class SmallWire:
     @classmethod
     def of(cls, batch: WriteBatch, cut: FrameCut, src_base: np.ndarray) -> SmallWire:
         """``batch``'s WRITE frame ``cut`` (its only one), its sources in buffers at ``src_base``."""
-        from ..wire import frames as f
-
         addresses = (src_base[cut.buffers] + cut.src_offsets.astype(np.uint64)).tobytes()
         lengths = np.asarray(cut.lengths, dtype=np.uint64).tobytes()
         prefix = f.write_header(batch.slot, batch.gen, len(cut.lengths), cut.nbytes) + f.pack_runs(
@@ -190,6 +189,13 @@ class FrameLink(SenderLink, LaneLink):
             self.faults.resume()
 
     # the sending thread -------------------------------------------------------------------------------
+    @staticmethod
+    def _ordered_frame(job: OrderedJob) -> bytes:
+        """The frame of ``job``'s message (a DONE frame, or ORDERED: :func:`~kvxfer.wire.frames.ordered_frame`),
+        the message built now (DONE: behind every write before it)."""
+        msg = job.msg() if callable(job.msg) else job.msg
+        return f.ordered_frame(msg, slot=job.slot, generation=job.gen)
+
     def _send_batch_frames(self, job: WriteJob, cuts: Iterable[FrameCut],
                            send_frame: Callable[[WriteBatch, FrameCut, bool], None]) -> None:
         """Send ``job``'s batch frame by frame, reporting each frame's runs as it goes."""

@@ -936,6 +936,7 @@ class ShmLink(FrameLink):
         self.done_filled = 0  # DONE frames whose checksum was combined in C from the sums the WRITE's copy took
         self._early_small: SmallWire | FrameCut | None = None  # its one frame, as _small made it when claimed
         self.sent_prepared = 0  # ... of which made when the destination arrived (prepare)
+        self.sent_with_ordered = 0  # small batches a lane sent with their DONE right behind, in one step
         self._next_pid_check = 0.0
         self.idle_looks = 0  # steps with nothing queued: a look at the reader (about one per IDLE_CHECK when idle)
         self.layout = layout
@@ -1131,7 +1132,7 @@ class ShmLink(FrameLink):
     def prepare(self, batch: WriteBatch) -> None:
         """A small batch's WRITE frame and descriptors, made when its destination arrived (before its
         send): the posting thread then only copies it into the ring."""
-        if (self.inline_send and self.faults is None and _native() is not None and batch.ready is None
+        if (self.faults is None and _native() is not None and batch.ready is None
                 and batch.nbytes <= INLINE_MAX_BYTES):
             cuts = cut_frames(batch, self.layout.item_lens, self.frame_limit, FRAME_MAX_RUNS)
             if len(cuts) == 1:
@@ -1284,8 +1285,7 @@ class ShmLink(FrameLink):
             self.sent_inline += 1
             trailer = self._filled_done(batch, small, ordered)
             if trailer is None:  # built as a lane's step builds it
-                msg = ordered.msg() if callable(ordered.msg) else ordered.msg
-                trailer = f.ordered_frame(msg, slot=ordered.slot, generation=ordered.gen)
+                trailer = self._ordered_frame(ordered)
             if self._free() < len(trailer):
                 requeue = [RawJob([trailer])]
                 return
@@ -1345,8 +1345,13 @@ class ShmLink(FrameLink):
         with self._cond:
             job = self._queue.popleft() if self._queue else None
             finish = job is None and self._closing
+            small = self._leaves_with_next(job)
+            behind = self._queue.popleft() if small is not None else None
         if finish:
             self._end("closed")
+            return
+        if behind is not None:
+            self._send_small_with_ordered(job, behind, small)
             return
         if job is None:  # the idle look
             self.idle_looks += 1
@@ -1360,11 +1365,47 @@ class ShmLink(FrameLink):
         if isinstance(job, WriteJob):
             self._send_batch(job)
         elif isinstance(job, OrderedJob):
-            msg = job.msg() if callable(job.msg) else job.msg
-            self._write_pieces([f.ordered_frame(msg, slot=job.slot, generation=job.gen)])
+            self._write_pieces([self._ordered_frame(job)])
         else:
             self._write_pieces(job.frame)
         self.frames_sent += 1
+
+    def _leaves_with_next(self, job: Any) -> SmallWire | None:
+        """Under ``_cond``: the prepared WRITE frame of ``job`` when it is a small batch of one frame with
+        the ordered job (its DONE) queued behind it, so that a lane sends both in one step as the posting
+        thread does (:meth:`_send_small_with_ordered`); None: each job is its own step."""
+        if (self.faults is not None or not self._queue or not isinstance(self._queue[0], OrderedJob)
+                or not isinstance(job, WriteJob)):
+            return None
+        small = self._small(job)
+        if not isinstance(small, SmallWire) or self._small_bytes(small) > self.ring.size // 2:
+            return None
+        return small
+
+    def _send_small_with_ordered(self, job: WriteJob, ordered: OrderedJob, small: SmallWire) -> None:
+        """A lane's step for a small request: its one WRITE frame copied into the ring in C (waiting for
+        room), then the DONE behind it with its checksum combined in C from the sums that copy took
+        (:meth:`_filled_done`), where the posting thread would have sent them itself had the link been idle
+        (or inline sends off). A batch dropped meanwhile: the ordered message goes alone."""
+        batch = job.batch
+        if not batch.wait_sources():
+            job.on_complete(batch, 0, len(batch))
+            self._write_pieces([self._ordered_frame(ordered)])
+            self.frames_sent += 1
+            return
+        try:
+            self._check_reader()
+            self._wait_free(len(small.prefix))  # the payload's copy waits for room itself
+            self._put_small(batch, small)
+        except BaseException:
+            job.on_complete(batch, 0, len(batch))
+            raise
+        job.on_complete(batch, len(batch), 0)
+        self.frames_sent += 1
+        trailer = self._filled_done(batch, small, ordered)
+        self._write_pieces([trailer if trailer is not None else self._ordered_frame(ordered)])
+        self.frames_sent += 1
+        self.sent_with_ordered += 1
 
     def _send_batch(self, job: WriteJob) -> None:
         if not job.batch.wait_sources():  # cancelled, or its ready event failed: nothing of it is sent

@@ -1232,13 +1232,6 @@ class TcpLink(FrameLink):
             self._corked = False
         self.frames_sent += 1
 
-    @staticmethod
-    def _ordered_frame(job: OrderedJob) -> bytes:
-        """The frame of ``job``'s message (a DONE frame, or ORDERED: :func:`~kvxfer.wire.frames.ordered_frame`),
-        the message built now (DONE: behind every write before it)."""
-        msg = job.msg() if callable(job.msg) else job.msg
-        return f.ordered_frame(msg, slot=job.slot, generation=job.gen)
-
     def _leaves_with_next(self, job: Any) -> bool:
         """Under ``_cond``, the queue not empty: whether ``job`` and the ordered job queued behind it
         leave in one step, the WRITE frame first (a small request's writes and its DONE)."""

@@ -1374,8 +1374,8 @@ class ShmLink(FrameLink):
         """Under ``_cond``: the prepared WRITE frame of ``job`` when it is a small batch of one frame with
         the ordered job (its DONE) queued behind it, so that a lane sends both in one step as the posting
         thread does (:meth:`_send_small_with_ordered`); None: each job is its own step."""
-        if (self.faults is not None or not self._queue or not isinstance(self._queue[0], OrderedJob)
-                or not isinstance(job, WriteJob)):
+        if (self.faults is not None or _native() is None or not self._queue
+                or not isinstance(self._queue[0], OrderedJob) or not isinstance(job, WriteJob)):
             return None
         small = self._small(job)
         if not isinstance(small, SmallWire) or self._small_bytes(small) > self.ring.size // 2:

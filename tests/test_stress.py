@@ -61,6 +61,26 @@ def test_stress_with_every_fault_leaks_nothing_and_loses_nothing(tmp_path, trans
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_stress_without_link_faults_drives_the_production_sending_paths_and_stays_clean(tmp_path, transport):
+    """Request faults only (aborts at every stage, client disconnects, oversized prompts), short prompts:
+    the prefill's links run with no fault injector, as in production, so its small requests take the
+    caller's-thread path, and a busy link's the one-step path with DONE's checksum filled in C; the run
+    is clean and the report shows those paths ran."""
+    proc, report, _ = _run(tmp_path, "--fault", "abort_before_bootstrap=0.06", "--fault", "abort_mid_transfer=0.06",
+                           "--fault", "abort_after_done=0.06", "--fault", "client_disconnect=0.06",
+                           "--fault", "oversized=0.06", "--median-tokens", "48", "--seed", "5",
+                           "--transport", transport)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["leaked_pages"] == 0 and report["corrupted_pages"] == 0 and report["lost_pages"] == 0
+    assert report["failed_unexpectedly"] == 0 and report["aborted_unexpectedly"] == 0, report
+    assert report["quarantined_at_end"] == 0 and report["pool_free_at_end"] == report["pool_total"]
+    assert not any(report["faults"][name] for name in ("late_write", "duplicate_write", "flip_byte", "slow_link"))
+    paths = report["prefill_link_paths"]
+    assert paths.get("sent_inline", 0) > 0 and paths.get("done_filled", 0) > 0, paths
+    assert report["completed"] > 0 and "PASS: no leaked, corrupted or lost pages" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_unsafe_legacy_negative_control_reports_leaks_and_fails(tmp_path, transport):
     proc, report, _ = _run(tmp_path, "--unsafe-legacy", "--fault", "oversized=0.25", "--seed", "3",
                            "--transport", transport)

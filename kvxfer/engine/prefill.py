@@ -25,6 +25,9 @@ from .config import EngineConfig
 from .sender import Sender, SendRequest
 
 log = logging.getLogger("kvxfer.engine")
+
+# per-link counters of the sending paths taken, summed into stats()["link_paths"]
+LINK_PATHS = ("sent_inline", "sent_early", "sent_with_ordered", "done_filled")
 # what a refused HELLO says to a peer the keyring did not authenticate (the reason is in this engine's log)
 HELLO_REFUSED = "peering refused by the prefill engine (its log says why)"
 CONNECT_THREADS = 4  # threads opening data connections for every peer
@@ -638,4 +641,8 @@ class PrefillEngine(EngineBase):
                 "engine_counters": dict(self.counters),
                 "active": len(self.sender.active),
                 "faults": dict(self.faults.counts) if self.faults is not None else {},
+                # which sending paths the current links took (tcp, shm): small requests from the caller's
+                # thread, WRITE frames as they were posted, a request's frame and DONE in one step, DONE
+                # checksums filled in C
+                "link_paths": {name: sum(int(getattr(link, name, 0)) for link in links) for name in LINK_PATHS},
             }

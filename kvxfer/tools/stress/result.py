@@ -35,6 +35,7 @@ def pool_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "pages": {"quarantined": sum(int(s.get("pages", {}).get("quarantined", 0)) for s in stats)},
         "writes": {"refused_by_reason": dict(refused),
                    "landed_bytes": sum(int(s.get("writes", {}).get("landed_bytes", 0)) for s in stats)},
+        "link_paths": dict(sum((Counter(s.get("link_paths", {})) for s in stats), Counter())),
     }
 
 
@@ -251,6 +252,9 @@ class StressResult:
             "pool_free_at_end": self.pool_free_at_end,
             "prefill_pool_total": int(self.prefill_stats.get("pool_total", 0)),
             "prefill_pool_free_at_end": int(self.prefill_stats.get("pool_free", 0)),
+            # the prefills' sending paths (their live links at the end): without link faults the links run
+            # with no injector, as in production, and these show the caller's-thread and one-step paths ran
+            "prefill_link_paths": {k: int(v) for k, v in self.prefill_stats.get("link_paths", {}).items()},
             "pools": self.pools,
             "accounting_errors": self.accounting_errors,
             "accounting_checks_during_run": self.accounting_checks,

@@ -277,8 +277,12 @@ class StressConfig:
         low, high = self.prefill_tokens + 1, min(self.max_context, self.decode_pages * self.decode_page)
         return (low, high) if low <= high else None
 
-    def link_faults(self) -> dict[str, float]:
-        return {_LINK_RATE_NAMES[name]: self.faults.get(name, 0.0) for name in LINK_FAULTS}
+    def link_faults(self) -> dict[str, float] | None:
+        """The prefill's fault injector rates, or None when no link fault is on: its links then run as in
+        production, with no injector (the caller's-thread sends, the prepared frames and the DONE filled in
+        C are taken only without one), so a run of request and process faults alone drives those paths."""
+        rates = {_LINK_RATE_NAMES[name]: self.faults.get(name, 0.0) for name in LINK_FAULTS}
+        return rates if any(rates.values()) else None
 
     def seats(self, role: str) -> int:
         """A fleet's seats of a role: the processes it starts with, and room for ``max_joins`` more."""

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvxfer.core import native
 from kvxfer.errors import ConfigError
 from kvxfer.tools.stress import ALL_FAULTS, StressConfig
 from kvxfer.tools.stress.workload import Workload
@@ -65,7 +66,7 @@ def test_stress_without_link_faults_drives_the_production_sending_paths_and_stay
     """Request faults only (aborts at every stage, client disconnects, oversized prompts), short prompts:
     the prefill's links run with no fault injector, as in production, so its small requests take the
     caller's-thread path, and a busy link's the one-step path with DONE's checksum filled in C; the run
-    is clean and the report shows those paths ran."""
+    is clean and the report shows those paths ran (with the C data path: KVXFER_PURE_PYTHON=1 has none)."""
     proc, report, _ = _run(tmp_path, "--fault", "abort_before_bootstrap=0.06", "--fault", "abort_mid_transfer=0.06",
                            "--fault", "abort_after_done=0.06", "--fault", "client_disconnect=0.06",
                            "--fault", "oversized=0.06", "--median-tokens", "48", "--seed", "5",
@@ -76,7 +77,8 @@ def test_stress_without_link_faults_drives_the_production_sending_paths_and_stay
     assert report["quarantined_at_end"] == 0 and report["pool_free_at_end"] == report["pool_total"]
     assert not any(report["faults"][name] for name in ("late_write", "duplicate_write", "flip_byte", "slow_link"))
     paths = report["prefill_link_paths"]
-    assert paths.get("sent_inline", 0) > 0 and paths.get("done_filled", 0) > 0, paths
+    if native.lib is not None:  # those paths are the C data path's (KVXFER_PURE_PYTHON=1: the Python one)
+        assert paths.get("sent_inline", 0) > 0 and paths.get("done_filled", 0) > 0, paths
     assert report["completed"] > 0 and "PASS: no leaked, corrupted or lost pages" in " ".join(proc.stdout.split())
 
 

@@ -68,22 +68,17 @@ class LaneLink:
         self._scheduled = False  # on the lanes' ready queue or being served (under _cond)
         self._serving: threading.Thread | None = None  # the lane serving a step now
         self._ended = threading.Event()
-        self._wake_due: float | None = None  # the earliest timed wake-up asked for and not yet come (under _cond)
+        self._wake_due = 0.0  # the earliest timed wake-up asked for (under _cond); past: none pending
 
     def _wake_later(self, when: float) -> None:
-        """A wake-up at monotonic time ``when``, unless one at or before it is pending: a link waits for
-        at most one (a step of an idle shm link asked for one each, every wake-up's step for the next, so
-        after a burst of steps an idle link was woken once per step it had served)."""
+        """A wake-up at monotonic time ``when``, unless one still to come is at or before it: a link waits
+        for at most one (a step of an idle shm link asked for one each, every wake-up's step for the next,
+        so after a burst of steps an idle link was woken once per step it had served)."""
         with self._cond:
-            if self._wake_due is not None and self._wake_due <= when:
+            if time.monotonic() < self._wake_due <= when:
                 return
             self._wake_due = when
         self._lanes.wake_at(self, when)  # type: ignore[arg-type]
-
-    def _woken(self) -> None:
-        """Under ``_cond``, in :meth:`wake`: the pending wake-up came (a later one may still come)."""
-        if self._wake_due is not None and time.monotonic() >= self._wake_due:
-            self._wake_due = None
 
     def _kick(self, *, continuing: bool = False) -> None:
         """Under ``_cond``: schedule a step unless one is scheduled or the link ended. ``continuing``:
@@ -94,7 +89,6 @@ class LaneLink:
 
     def wake(self) -> None:
         with self._cond:
-            self._woken()
             self._kick()
 
     def peer_closed(self, reason: str) -> None:  # pragma: no cover - only links over sockets are watched

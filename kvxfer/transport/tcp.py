@@ -961,7 +961,6 @@ class TcpLink(FrameLink):
     # scheduling on the lanes ---------------------------------------------------------------------------------
     def wake(self) -> None:
         with self._cond:
-            self._woken()
             if self._queue or self._closing or (self.faults is not None and self.faults.next_due() is not None):
                 self._kick()
 

@@ -18,7 +18,7 @@ import pytest
 from kvxfer.core.lifecycle import ReceiverState as R
 from kvxfer.core.lifecycle import SenderState as S
 from kvxfer.errors import ProtocolError
-from kvxfer.transport import shm
+from kvxfer.transport import shm, tcp
 from kvxfer.wire import frames as f
 from kvxfer.wire import messages as m
 
@@ -104,6 +104,34 @@ def test_a_writer_that_stops_reading_gets_its_results_on_the_control_plane_and_w
     pair.transfer("after", PAGE_TOKENS)
     assert p.wait("after", timeout=10).state is S.SUCCEEDED
     wait_for(lambda: d.stats()["requests"].get("results_on_data", 0) == 1, timeout=5, what="the decode's count")
+
+
+def test_an_answer_looks_at_the_send_queue_only_when_the_backlog_could_be_reached(engines):
+    """Each answer used to ask the kernel how many bytes the writer left unacknowledged (SIOCOUTQ, a
+    syscall per RESULT on the landing thread); what was sent since the last look bounds that number, so
+    the kernel is asked only when the bound could pass ANSWER_BACKLOG. Thirty RESULT frames of ~80 bytes
+    are sent without one look; a writer that stops reading is still found out (declined, as above)."""
+    pair = engines(fault_injection=False)
+    for i in range(30):
+        pair.transfer(f"r{i}", PAGE_TOKENS, seed=i)
+        assert pair.decode.wait(f"r{i}", timeout=10).state is R.READABLE
+        assert pair.prefill.wait(f"r{i}", timeout=10).state is S.SUCCEEDED
+        pair.decode.release(f"r{i}")
+    stats = pair.decode.transport.stats()
+    assert stats["answers_sent"] == 30 and stats["answers_declined"] == 0, stats
+    assert stats["send_queue_looks"] == 0, stats
+    pair.prefill.transport.lanes.unwatch(pair.link._sock)
+    conn = pair.decode.receiver.peers[pair.peer].conn
+    result = m.Result(rid="none", gen=1 << 40, ok=False, reason="x", detail="y" * 2000)
+    sent = 0
+    while pair.decode.transport.answer(conn, result):
+        sent += 1
+        assert sent < 1000, "the decode never declined"
+    stats = pair.decode.transport.stats()
+    assert stats["answers_declined"] == 1 and stats["send_queue_looks"] >= 1, stats
+    assert sent * len(f.result_frame(result)) > tcp.ANSWER_BACKLOG // 2, sent
+    pair.prefill.transport.lanes.watch(pair.link._sock, pair.link)
+    wait_for(lambda: pair.link.results_received == 30 + sent, timeout=10, what="every RESULT frame read back")
 
 
 def _decode_socket(pair) -> socket.socket:

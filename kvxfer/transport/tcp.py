@@ -243,6 +243,10 @@ class _Inbound:
     scratch: memoryview | None = None  # OPEN: refused payloads are read through it (made on first refusal)
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # RESULT frames sent back (answer)
     tail: bytes = b""  # the rest of a RESULT frame the kernel took only part of (sent first, by flush)
+    # RESULT bytes that may still be unacknowledged: the send queue as last looked at (SIOCOUTQ) plus what
+    # was sent since. It only overstates (the queue shrinks by itself), so the kernel is asked only when
+    # it could pass ANSWER_BACKLOG (under send_lock)
+    unacked_at_most: int = 0
 
 
 _LISTENER = object()  # selector keys of the accept thread that are not connections
@@ -311,6 +315,7 @@ class TcpReceiver(ReceiverBackend):
         self.answers_sent = 0  # RESULT frames handed to a data connection
         self.answers_declined = 0  # ... left to the control plane: the writer was not reading them
         self.answers_split = 0  # ... of which the kernel took only part at once (the rest went on by flush)
+        self.send_queue_looks = 0  # times an answer asked the kernel for a connection's unacknowledged bytes
         self._tails: set[_Inbound] = set()  # connections with part of a RESULT frame still to send
 
         self.layout = layout
@@ -746,6 +751,7 @@ class TcpReceiver(ReceiverBackend):
                 "connections_refused": self.connections_refused, "connect_timeouts": self.connect_timeouts,
                 "answers_sent": self.answers_sent, "answers_declined": self.answers_declined,
                 "answers_split": self.answers_split, "done_frames": self.done_frames,
+                "send_queue_looks": self.send_queue_looks,
                 "accept_errors": self.accept_errors, "busy_poll_found": int(self._poll_counts[0]),
                 "busy_poll_expired": int(self._poll_counts[1]), "busy_poll_skipped": int(self._poll_counts[2])}
 
@@ -793,10 +799,14 @@ class TcpReceiver(ReceiverBackend):
                 if inbound.tail and not self._send_tail(inbound):
                     self._count("answers_declined")
                     return False
-                if _send_queue_bytes(inbound.sock) + len(frame) > ANSWER_BACKLOG:
-                    self._count("answers_declined")
-                    return False
+                if inbound.unacked_at_most + len(frame) > ANSWER_BACKLOG:
+                    inbound.unacked_at_most = _send_queue_bytes(inbound.sock)
+                    self._count("send_queue_looks")
+                    if inbound.unacked_at_most + len(frame) > ANSWER_BACKLOG:
+                        self._count("answers_declined")
+                        return False
                 sent = inbound.sock.send(frame, socket.MSG_DONTWAIT)
+                inbound.unacked_at_most += sent
             except (BlockingIOError, InterruptedError):
                 self._count("answers_declined")
                 return False
@@ -819,6 +829,7 @@ class TcpReceiver(ReceiverBackend):
             return False
         except OSError:
             sent = len(inbound.tail)
+        inbound.unacked_at_most += sent
         inbound.tail = inbound.tail[sent:]
         if not inbound.tail:
             with self._lock:

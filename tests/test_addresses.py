@@ -128,6 +128,9 @@ def test_a_wildcard_host_with_one_address_advertises_it_and_a_peer_on_another_ho
             assert decode.wait(rid=rid, timeout=15)["state"] == "READABLE"
             report = decode.read_check(rid=rid)
             assert report["pages"] == report["ok"] == 50 and report["corrupted_pages"] == 0, report
+            # the next request needs this one's source pages (64 in the pool, 50 each): freed once the
+            # prefill took the RESULT, which may come after the decode's READABLE
+            assert prefill.wait(rid=rid, timeout=15)["state"] == "SUCCEEDED"
         # the prefill reached the decode at its advertised address: control (its answers) and data
         sockets = subprocess.run(two_hosts.argv("a", ["ss", "-tn"]), capture_output=True, text=True).stdout
         assert f"{two_hosts.b.address}:{decode.control.split('#')[0].rsplit(':', 1)[1]}" in sockets
